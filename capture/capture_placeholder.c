@@ -1,0 +1,1 @@
+int kw__capture_placeholder;

@@ -1,0 +1,62 @@
+/* Runtime ISA detection: the CPU must report the instructions (CPUID) and the OS
+ * must save the vector state they use (XGETBV), else AVX-512 code faults. */
+#include <cpuid.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kw_ops.h"
+
+static unsigned long long xgetbv0(void) {
+    unsigned int lo, hi;
+    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    return ((unsigned long long)hi << 32) | lo;
+}
+
+static kw_isa detect_isa(void) {
+    unsigned int a, b, c, d;
+    if (!__get_cpuid(1, &a, &b, &c, &d)) return KW_ISA_SCALAR;
+    const int osxsave = (c >> 27) & 1, fma = (c >> 12) & 1, f16c = (c >> 29) & 1;
+    if (!osxsave) return KW_ISA_SCALAR;
+    const unsigned long long xcr0 = xgetbv0();
+    const int os_avx = (xcr0 & 0x6) == 0x6;     /* XMM and YMM state */
+    const int os_avx512 = (xcr0 & 0xe6) == 0xe6; /* plus opmask and ZMM state */
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return KW_ISA_SCALAR;
+    const int avx2 = (b >> 5) & 1, avx512f = (b >> 16) & 1, avx512dq = (b >> 17) & 1,
+              avx512bw = (b >> 30) & 1, avx512vl = (b >> 31) & 1;
+    unsigned int a1 = 0, b1, c1, d1;
+    __get_cpuid_count(7, 1, &a1, &b1, &c1, &d1);
+    const int avx512bf16 = (a1 >> 5) & 1;
+
+    if (!(os_avx && avx2 && fma && f16c)) return KW_ISA_SCALAR;
+    if (!(os_avx512 && avx512f && avx512dq && avx512bw && avx512vl)) return KW_ISA_AVX2;
+    return avx512bf16 ? KW_ISA_AVX512BF16 : KW_ISA_AVX512;
+}
+
+const char *kw_isa_name(kw_isa isa) {
+    switch (isa) {
+#define KW__ISA_NAME(id, name) \
+    case KW_ISA_##id:          \
+        return name;
+        KW_ISAS(KW__ISA_NAME)
+#undef KW__ISA_NAME
+    default:
+        return "unknown";
+    }
+}
+
+static kw_isa isa_cap_from_env(void) {
+    const char *cap = getenv("KWKER_ISA");
+    if (cap)
+        for (int i = 0; i < KW_ISA_COUNT; i++)
+            if (strcmp(cap, kw_isa_name((kw_isa)i)) == 0) return (kw_isa)i;
+    return KW_ISA_COUNT - 1;
+}
+
+kw_isa kw_cpu_isa(void) {
+    static int cached = -1; /* benign race: every thread computes the same value */
+    if (cached < 0) {
+        kw_isa hw = detect_isa(), cap = isa_cap_from_env();
+        cached = hw < cap ? hw : cap;
+    }
+    return (kw_isa)cached;
+}

@@ -1,0 +1,80 @@
+/* kw_types.h — the vocabulary shared by ops/, runtime/, capture/ and the binding.
+ *
+ * A tensor reaches C as pointer, dtype, shape and strides (in elements), never as a
+ * PyTorch object. A kernel call (kw_call) is a fixed-size record of tensors and scalar
+ * parameters, so a plan is a flat array of them and the same record drives the scalar
+ * reference, every ISA variant and the tests. */
+#ifndef KW_TYPES_H
+#define KW_TYPES_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define KW_MAX_DIMS 6
+#define KW_CALL_MAX_TENSORS 10
+#define KW_CALL_MAX_PARAMS 8
+
+#define KW_DTYPES(X) \
+    X(F32, float32, 4)  \
+    X(BF16, bfloat16, 2) \
+    X(F16, float16, 2)  \
+    X(I64, int64, 8)    \
+    X(I32, int32, 4)    \
+    X(BOOL, bool, 1)    \
+    X(U8, uint8, 1)
+
+typedef enum kw_dtype {
+#define KW__DTYPE_ENUM(id, name, size) KW_##id,
+    KW_DTYPES(KW__DTYPE_ENUM)
+#undef KW__DTYPE_ENUM
+    KW_DTYPE_COUNT
+} kw_dtype;
+
+size_t kw_dtype_size(kw_dtype dt);
+const char *kw_dtype_name(kw_dtype dt); /* torch's spelling: "float32", "bfloat16", ... */
+
+/* Error codes, one X-macro as in libuv. Functions return 0 or a negative KW_E*. */
+#define KW_ERRORS(X)                                              \
+    X(EINVAL, -1, "invalid argument")                             \
+    X(EDTYPE, -2, "unsupported dtype")                            \
+    X(ESHAPE, -3, "shape mismatch")                               \
+    X(EBOUNDS, -4, "view outside its buffer")                     \
+    X(EUNINIT, -5, "arena buffer read before any op writes it")   \
+    X(ENOMEM, -6, "out of memory")                                \
+    X(EBUSY, -7, "plan is already being replayed")                \
+    X(ESTATE, -8, "object is in the wrong state for this call")   \
+    X(ECALLBACK, -9, "fallback callback failed")
+
+typedef enum kw_error {
+    KW_OK = 0,
+#define KW__ERROR_ENUM(id, code, text) KW_##id = (code),
+    KW_ERRORS(KW__ERROR_ENUM)
+#undef KW__ERROR_ENUM
+} kw_error;
+
+const char *kw_strerror(int err);
+
+typedef struct kw_tensor {
+    void *data;           /* NULL with ndim == 0 marks an absent optional tensor */
+    kw_dtype dtype;
+    int ndim;
+    int64_t shape[KW_MAX_DIMS];
+    int64_t stride[KW_MAX_DIMS]; /* in elements, may be 0 (broadcast) */
+} kw_tensor;
+
+/* One kernel invocation. The op's kw_op_info says what each tensor slot and
+ * parameter means. `work` is per-thread scratch: thread ith owns
+ * [work + ith * work_stride, work + (ith + 1) * work_stride). */
+typedef struct kw_call {
+    kw_tensor t[KW_CALL_MAX_TENSORS];
+    int64_t ip[KW_CALL_MAX_PARAMS];
+    double fp[KW_CALL_MAX_PARAMS];
+    void *work;
+    size_t work_stride;
+} kw_call;
+
+/* Every thread of the pool calls the kernel with its own (ith, nth) and does its
+ * share; kernels never synchronise internally. */
+typedef void (*kw_kernel_fn)(const kw_call *c, int ith, int nth);
+
+#endif

@@ -1,0 +1,39 @@
+#include "kw_types.h"
+
+size_t kw_dtype_size(kw_dtype dt) {
+    switch (dt) {
+#define KW__DTYPE_SIZE(id, name, size) \
+    case KW_##id:                      \
+        return (size);
+        KW_DTYPES(KW__DTYPE_SIZE)
+#undef KW__DTYPE_SIZE
+    default:
+        return 0;
+    }
+}
+
+const char *kw_dtype_name(kw_dtype dt) {
+    switch (dt) {
+#define KW__DTYPE_NAME(id, name, size) \
+    case KW_##id:                      \
+        return #name;
+        KW_DTYPES(KW__DTYPE_NAME)
+#undef KW__DTYPE_NAME
+    default:
+        return "unknown";
+    }
+}
+
+const char *kw_strerror(int err) {
+    switch (err) {
+    case KW_OK:
+        return "ok";
+#define KW__ERROR_TEXT(id, code, text) \
+    case KW_##id:                      \
+        return text;
+        KW_ERRORS(KW__ERROR_TEXT)
+#undef KW__ERROR_TEXT
+    default:
+        return "unknown error";
+    }
+}

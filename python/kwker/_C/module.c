@@ -1,0 +1,51 @@
+/* kwker._C — the CPython binding of kwker's C core. */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include "kw_ops.h"
+#include "kw_module.h"
+
+static PyObject *cpu_isa(PyObject *self, PyObject *unused) {
+    return PyUnicode_FromString(kw_isa_name(kw_cpu_isa()));
+}
+
+static PyObject *op_names(PyObject *self, PyObject *unused) {
+    PyObject *names = PyList_New(KW_OP_COUNT);
+    if (!names) return NULL;
+    for (int i = 0; i < KW_OP_COUNT; i++) {
+        PyObject *name = PyUnicode_FromString(kw_op_get((kw_op_id)i)->name);
+        if (!name) {
+            Py_DECREF(names);
+            return NULL;
+        }
+        PyList_SET_ITEM(names, i, name);
+    }
+    return names;
+}
+
+static PyMethodDef module_methods[] = {
+    {"cpu_isa", cpu_isa, METH_NOARGS, "The best ISA kwker's kernels use on this CPU."},
+    {"op_names", op_names, METH_NOARGS, "The names of kwker's native ops."},
+    {NULL, NULL, 0, NULL},
+};
+
+static int module_exec(PyObject *module) {
+    return kw__module_add_types(module);
+}
+
+static PyModuleDef_Slot module_slots[] = {
+    {Py_mod_exec, module_exec},
+    {0, NULL},
+};
+
+static struct PyModuleDef module_def = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "kwker._C",
+    .m_doc = "kwker's native core: kernels, capture and replay.",
+    .m_methods = module_methods,
+    .m_slots = module_slots,
+};
+
+PyMODINIT_FUNC PyInit__C(void) {
+    return PyModuleDef_Init(&module_def);
+}

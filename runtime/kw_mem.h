@@ -1,0 +1,12 @@
+/* kw_mem.h — memory for kwker's buffers. Large blocks come from mmap with
+ * MADV_HUGEPAGE (fewer TLB misses on multi-MB arenas and packed weights);
+ * small ones from aligned_alloc. Every block is 64-byte aligned. */
+#ifndef KW_MEM_H
+#define KW_MEM_H
+
+#include <stddef.h>
+
+void *kw_mem_alloc(size_t bytes); /* zero-filled; NULL on failure */
+void kw_mem_free(void *p, size_t bytes);
+
+#endif

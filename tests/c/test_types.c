@@ -1,0 +1,47 @@
+/* The shared vocabulary: dtype table, error texts, op registry, ISA detection. */
+#include <criterion/criterion.h>
+#include <string.h>
+
+#include "kw_ops.h"
+
+Test(types, dtype_sizes_match_torch) {
+    cr_expect_eq(kw_dtype_size(KW_F32), 4);
+    cr_expect_eq(kw_dtype_size(KW_BF16), 2);
+    cr_expect_eq(kw_dtype_size(KW_I64), 8);
+    cr_expect_eq(kw_dtype_size(KW_BOOL), 1);
+    cr_expect_str_eq(kw_dtype_name(KW_BF16), "bfloat16");
+    cr_expect_eq(kw_dtype_size((kw_dtype)99), 0);
+}
+
+Test(types, every_error_has_its_own_text) {
+    const int codes[] = {
+#define CODE(id, code, text) code,
+        KW_ERRORS(CODE)
+#undef CODE
+    };
+    for (size_t i = 0; i < sizeof codes / sizeof *codes; i++) {
+        cr_expect_str_neq(kw_strerror(codes[i]), "unknown error");
+        for (size_t j = 0; j < i; j++) cr_expect_str_neq(kw_strerror(codes[i]), kw_strerror(codes[j]));
+    }
+    cr_expect_str_eq(kw_strerror(12345), "unknown error");
+}
+
+Test(registry, every_op_is_found_by_name_and_has_a_scalar_kernel) {
+    for (int i = 0; i < KW_OP_COUNT; i++) {
+        const kw_op_info *info = kw_op_get((kw_op_id)i);
+        cr_assert_not_null(info);
+        cr_expect_eq(kw_op_find(info->name), i, "op %s", info->name);
+        cr_expect_not_null(info->kernel[KW_ISA_SCALAR], "op %s has no scalar reference", info->name);
+        cr_expect_eq(kw_op_kernel((kw_op_id)i, KW_ISA_SCALAR), info->kernel[KW_ISA_SCALAR]);
+    }
+    cr_expect_eq(kw_op_find("no_such_op"), -1);
+    cr_expect_null(kw_op_get(KW_OP_COUNT));
+}
+
+Test(cpu, detected_isa_agrees_with_the_compiler_builtin) {
+    __builtin_cpu_init();
+    const kw_isa isa = kw_cpu_isa();
+    if (getenv("KWKER_ISA")) return; /* a cap makes the comparison meaningless */
+    cr_expect_eq(isa >= KW_ISA_AVX2, __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"));
+    cr_expect_eq(isa >= KW_ISA_AVX512, __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw"));
+}

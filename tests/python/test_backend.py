@@ -1,0 +1,155 @@
+"""The backend as torch sees it: discovery, options, mode, routing, logging."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import kwker
+from kwker.options import parse_options
+from kwker.routing import graph_devices, route_graph
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def run_python(code: str, **env) -> subprocess.CompletedProcess:
+    """Runs code in a fresh interpreter, with TORCH_LOGS only as given here."""
+    base = {k: v for k, v in os.environ.items() if k != "TORCH_LOGS"}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env={**base, **env})
+
+
+def test_torch_finds_kwker_through_its_entry_point_without_an_import():
+    code = (
+        "import sys, torch\n"
+        "assert 'kwker' not in sys.modules\n"
+        "m = torch.nn.Linear(8, 8)\n"
+        "x = torch.randn(2, 8)\n"
+        "out = torch.compile(m, backend='kwker')(x)\n"
+        "torch.testing.assert_close(out, m(x))\n"
+        "assert 'kwker' in sys.modules\n"
+        "print('ok')\n"
+    )
+    result = run_python(code)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok"
+
+
+def test_the_backend_function_itself_works_as_a_backend():
+    m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(torch.compile(m, backend=kwker.backend)(x), m(x))
+
+
+class InductorConfigSpy:
+    """A post-grad pass: Inductor calls it while compiling, under the config it compiles with."""
+
+    def __init__(self, *names):
+        self.names, self.seen = names, []
+
+    def __call__(self, graph):
+        from torch._inductor import config
+
+        self.seen.append({n: getattr(config, n) for n in self.names})
+
+    def uuid(self):  # lets Inductor's FX graph cache key on the pass
+        return None
+
+
+def test_an_inductor_option_reaches_inductors_config():
+    spy = InductorConfigSpy("epilogue_fusion", "max_autotune")
+    default = torch._inductor.config.epilogue_fusion
+    fn = torch.compile(
+        lambda x: (x.sin() + 1).relu(),
+        backend="kwker",
+        options={"post-grad-custom-post-pass": spy, "epilogue_fusion": not default},
+    )
+    x = torch.randn(16)
+    torch.testing.assert_close(fn(x), (x.sin() + 1).relu())
+    assert spy.seen == [{"epilogue_fusion": not default, "max_autotune": False}]
+
+
+def test_mode_reaches_inductors_config():
+    spy = InductorConfigSpy("max_autotune", "coordinate_descent_tuning")
+    with torch._inductor.config.patch(post_grad_custom_post_pass=spy):
+        fn = torch.compile(lambda x: x.cos() * 2, backend="kwker", mode="max-autotune-no-cudagraphs")
+        x = torch.randn(16)
+        torch.testing.assert_close(fn(x), x.cos() * 2)
+    assert spy.seen == [{"max_autotune": True, "coordinate_descent_tuning": True}]
+
+
+def test_an_unknown_option_raises_a_value_error_naming_it():
+    with pytest.raises(ValueError, match=r"unknown option 'max_autotuen'.*did you mean 'max_autotune'.*'inner'.*'glue'"):
+        parse_options(None, {"max_autotuen": True})
+    fn = torch.compile(lambda x: x + 1, backend="kwker", options={"no_such_option": 1})
+    with pytest.raises(Exception, match="unknown option 'no_such_option'"):
+        fn(torch.randn(4))
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"inner": "jit"}, "'inner' must be 'eager' or 'inductor', got 'jit'"),
+        ({"glue": "yes"}, "'glue' must be True or False, got 'yes'"),
+        ({"max_autotune": "yes"}, "'max_autotune' must be of type bool, got str"),
+        ({3: True}, "option keys must be strings"),
+    ],
+)
+def test_a_bad_value_raises_a_value_error_naming_the_key(options, message):
+    with pytest.raises(ValueError, match=message):
+        parse_options(None, options)
+
+
+def test_an_unknown_mode_raises_a_value_error():
+    with pytest.raises(ValueError, match="Unrecognized mode=fastest"):
+        parse_options("fastest", None)
+
+
+def test_options_are_split_between_kwker_and_inductor():
+    opts = parse_options(None, {"inner": "eager", "glue": False, "max-autotune": True, "cpp.threads": 2})
+    assert (opts.inner, opts.glue) == ("eager", False)
+    assert opts.inductor_patches == {"max_autotune": True, "cpp.threads": 2}
+    assert parse_options("max-autotune-no-cudagraphs").inductor_patches == {
+        "max_autotune": True,
+        "coordinate_descent_tuning": True,
+    }
+
+
+def test_the_callers_options_dict_is_not_modified():
+    options = {"inner": "inductor", "max-autotune": False}
+    parse_options(None, options)
+    assert options == {"inner": "inductor", "max-autotune": False}
+
+
+def test_a_graph_with_tensors_on_an_accelerator_goes_to_inductor_unchanged():
+    with FakeTensorMode():
+        x = torch.empty(4, 8, device="cuda")
+    gm = torch.fx.symbolic_trace(lambda x: x * 2)
+    devices = graph_devices(gm, [x])
+    assert devices == {"cuda"}
+    route = route_graph(devices)
+    assert route.path == "inductor-unchanged" and "cuda" in route.reason
+    assert route_graph({"cpu", "mps"}).path == "inductor-unchanged"
+    assert route_graph({"xpu"}).path == "inductor-unchanged"
+    assert route_graph({"cpu"}).path != "inductor-unchanged"
+
+
+def test_torch_logs_shows_what_kwker_chose_for_each_graph():
+    code = "import torch\ntorch.compile(lambda x: x * 3, backend='kwker')(torch.randn(4))\n"
+    result = run_python(code, TORCH_LOGS="kwker")
+    assert result.returncode == 0, result.stderr
+    assert "graph 0" in result.stderr and "inductor" in result.stderr
+
+
+def test_kwker_logs_nothing_by_default():
+    code = "import torch\ntorch.compile(lambda x: x * 3, backend='kwker')(torch.randn(4))\n"
+    result = run_python(code)
+    assert result.returncode == 0, result.stderr
+    assert "kwker" not in result.stderr
