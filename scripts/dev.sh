@@ -43,9 +43,9 @@ install_python_env() {
 }
 
 install_kwker() {
-    step "pip install . (kwker._C, incremental in build/py)"
+    step "pip install --editable . (kwker._C built incrementally in build/py; Python sources used in place)"
     mkdir -p build
-    if ! "$PY" -m pip install --no-build-isolation --no-deps . >build/pip-install.log 2>&1; then
+    if ! "$PY" -m pip install --no-build-isolation --no-deps --editable . >build/pip-install.log 2>&1; then
         cat build/pip-install.log >&2
         exit 1
     fi

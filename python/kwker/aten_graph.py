@@ -1,0 +1,31 @@
+"""Dynamo's graph traced to ATen with fake tensors.
+
+Every node of the result carries ``meta["val"]``: a fake tensor whose shape,
+strides, storage offset and storage identity are those the real run will have.
+The rewrites match canonical ATen ops (one spelling per operation, whatever
+the model's Python looked like), and the replay lowering reads views and
+storages from these values.
+"""
+
+import torch
+from torch._guards import detect_fake_mode
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+
+
+def has_static_shapes(example_inputs) -> bool:
+    def static(x):
+        if isinstance(x, torch.SymInt):
+            return False
+        if isinstance(x, torch.Tensor):
+            return all(isinstance(d, int) for d in (*x.shape, *x.stride()))
+        return True
+
+    return all(static(x) for x in example_inputs)
+
+
+def trace_to_aten(gm: torch.fx.GraphModule, example_inputs) -> torch.fx.GraphModule:
+    fake_mode = detect_fake_mode(example_inputs) or FakeTensorMode()
+    with fake_mode:
+        fake_inputs = [fake_mode.from_tensor(x, static_shapes=True) if isinstance(x, torch.Tensor) else x for x in example_inputs]
+        return make_fx(gm, tracing_mode="real")(*fake_inputs)

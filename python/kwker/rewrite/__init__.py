@@ -1,0 +1,37 @@
+"""FX rewrites for language models, on the ATen graph.
+
+Each pass recognises one pattern and replaces it with one kwker op. They run
+in a fixed order (attention before the linears, norms before the residual adds
+that feed them) and report how many places each changed.
+"""
+
+import logging
+
+import torch
+
+from kwker.rewrite.attention import fuse_decode_attention
+from kwker.rewrite.linear import PackedWeight, pack_weights, rewrite_linears
+from kwker.rewrite.rms_norm import fuse_residual_add, fuse_rms_norm
+from kwker.rewrite.rotary import fuse_rotary
+from kwker.rewrite.silu_mul import fuse_silu_mul
+
+__all__ = ["PackedWeight", "pack_weights", "rewrite_language_model"]
+
+log = logging.getLogger(__name__)
+
+
+def rewrite_language_model(gm: torch.fx.GraphModule, params: dict[str, torch.Tensor], glue: bool = True) -> dict[str, int]:
+    """params: placeholder name -> the real parameter. glue=False keeps the
+    model's own norm, rotary and SiLU·mul as plain ops."""
+    counts = {"decode_attention": fuse_decode_attention(gm)}
+    if glue:
+        counts["rms_norm"] = fuse_rms_norm(gm)
+        counts["add_rms_norm"] = fuse_residual_add(gm)
+        counts["rotary"] = fuse_rotary(gm)
+        counts["silu_mul"] = fuse_silu_mul(gm)
+    counts["linear"] = rewrite_linears(gm, params)
+    gm.graph.eliminate_dead_code()
+    gm.graph.lint()
+    gm.recompile()
+    log.debug("rewrites: %s", counts)
+    return counts

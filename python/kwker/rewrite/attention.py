@@ -1,0 +1,75 @@
+"""Decode attention over a static KV cache, without repeat_kv.
+
+HF's sdpa path expands each cache to all query heads (repeat_kv: unsqueeze,
+expand, clone, view) and passes an additive mask made from the bool mask by
+where(mask, 0, -inf). kwker's op reads the caches as they are."""
+
+import math
+import operator
+
+import torch
+
+from kwker.custom_ops import ops
+from kwker.rewrite.match import aten, is_call, val
+
+SDPA = (aten._scaled_dot_product_flash_attention_for_cpu.default,)
+
+
+def fuse_decode_attention(gm: torch.fx.GraphModule) -> int:
+    count = 0
+    for sdpa in list(gm.graph.nodes):
+        if is_call(sdpa, *SDPA):
+            count += _fuse_one(gm.graph, sdpa)
+    return count
+
+
+def _fuse_one(graph, sdpa) -> int:
+    q, k, v = sdpa.args[:3]
+    dropout = sdpa.args[3] if len(sdpa.args) > 3 else sdpa.kwargs.get("dropout_p", 0.0)
+    causal = sdpa.args[4] if len(sdpa.args) > 4 else sdpa.kwargs.get("is_causal", False)
+    if dropout != 0.0 or causal or val(q).dim() != 4 or val(q).shape[2] != 1:
+        return 0
+    k_cache, v_cache = _unrepeat(k), _unrepeat(v)
+    hq, hkv = val(q).shape[1], val(k_cache).shape[1]
+    if val(k_cache).shape != val(v_cache).shape or hq % hkv or val(k_cache).shape[-1] != val(q).shape[-1]:
+        return 0
+    outs = [u for u in sdpa.users if u.target is operator.getitem and u.args[1] == 0]
+    if len(outs) != 1:
+        return 0
+    scale = sdpa.kwargs.get("scale") or 1.0 / math.sqrt(val(q).shape[-1])
+    mask = _bool_mask(sdpa.kwargs.get("attn_mask"))
+    out = outs[0]
+    with graph.inserting_before(out):
+        new = graph.call_function(ops.decode_attention.default, (q, k_cache, v_cache, mask, float(scale)))
+    new.meta["val"] = val(out)
+    out.replace_all_uses_with(new)
+    return 1
+
+
+def _unrepeat(node):
+    """The cache under repeat_kv's _unsafe_view(clone(expand(unsqueeze(cache, 2))))."""
+    view = node
+    if is_call(view, aten._unsafe_view.default, aten.view.default, aten.reshape.default):
+        clone = view.args[0]
+        if is_call(clone, aten.clone.default):
+            clone = clone.args[0]
+        if is_call(clone, aten.expand.default) and is_call(clone.args[0], aten.unsqueeze.default):
+            unsq = clone.args[0]
+            if unsq.args[1] == 2:
+                return unsq.args[0]
+    return node
+
+
+def _bool_mask(mask):
+    """where(bool_mask, 0, -inf) is the bool mask itself; any other mask is additive."""
+    if is_call(mask, aten.where.self):
+        cond, keep, drop = mask.args
+        if _scalar_const(keep) == 0.0 and _scalar_const(drop) == float("-inf") and val(cond).dtype == torch.bool:
+            return cond
+    return mask
+
+
+def _scalar_const(node):
+    if is_call(node, aten.scalar_tensor.default):
+        return node.args[0]
+    return None

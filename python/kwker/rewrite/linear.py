@@ -1,0 +1,134 @@
+"""Linear layers: weights that read fewer bytes, and linears sharing an input as one call.
+
+A float32 weight whose every value is exactly a bfloat16 value (a bf16
+checkpoint loaded in float32) gets a bfloat16 copy: exact, half the bytes. Other
+weights are used as stored. Linears that read the same input (q/k/v, gate/up)
+become one linear_n over their weights stored back to back.
+"""
+
+import operator
+from dataclasses import dataclass
+
+import torch
+
+from kwker.custom_ops import ops
+from kwker.rewrite.match import aten, is_call, val
+
+
+@dataclass
+class PackedWeight:
+    """A weight kwker made from the model's own: which placeholders it came from
+    and their version counters when it was made, so a weight changed in place is
+    re-packed before the next call."""
+
+    attr: str
+    sources: list[str]  # placeholder names, in the order they are stacked
+    versions: list[int]
+
+
+def is_bf16_valued(w: torch.Tensor) -> bool:
+    return w.dtype == torch.float32 and torch.equal(w, w.to(torch.bfloat16).to(torch.float32))
+
+
+def pack_weights(weights: list[torch.Tensor]) -> torch.Tensor:
+    """The bytes kwker reads for these weights: bfloat16 where exact, stacked by rows."""
+    to_bf16 = all(w.dtype == torch.bfloat16 or is_bf16_valued(w) for w in weights)
+    dtype = torch.bfloat16 if to_bf16 else weights[0].dtype
+    return torch.cat([w.detach().to(dtype) for w in weights], dim=0).contiguous()
+
+
+def rewrite_linears(gm: torch.fx.GraphModule, params: dict[str, torch.Tensor], fuse: bool = True) -> int:
+    """params: placeholder name -> the real parameter tensor."""
+    linears = [_match_linear(n, params) for n in gm.graph.nodes]
+    linears = [m for m in linears if m]
+    groups = _group_by_input(linears) if fuse else [[m] for m in linears]
+    packed = gm.meta.setdefault("kwker_packed", [])
+    for group in groups:
+        packed.append(_rewrite_group(gm, group, params))
+    return len(linears)
+
+
+@dataclass
+class _Linear:
+    node: torch.fx.Node  # the mm / addmm
+    x: torch.fx.Node
+    weight: torch.fx.Node  # placeholder
+    bias: torch.fx.Node | None
+
+
+def _match_linear(node, params):
+    if is_call(node, aten.mm.default):
+        (x, wt), bias = node.args, None
+    elif is_call(node, aten.addmm.default) and not node.kwargs:
+        bias, x, wt = node.args[:3]
+        if not (isinstance(bias, torch.fx.Node) and val(bias).dim() == 1):
+            return None
+    else:
+        return None
+    if not (is_call(wt, aten.t.default) or (is_call(wt, aten.permute.default) and list(wt.args[1]) == [1, 0])):
+        return None
+    w = wt.args[0]
+    if not (w.op == "placeholder" and w.name in params and val(w).dim() == 2):
+        return None
+    if bias is not None and not (bias.op == "placeholder" and bias.name in params):
+        return None
+    return _Linear(node, x, w, bias)
+
+
+def _input_key(x: torch.fx.Node):
+    """Views of one tensor with one shape count as one input."""
+    if is_call(x, aten.view.default, aten._unsafe_view.default, aten.reshape.default):
+        return (x.args[0], tuple(x.args[1]))
+    return (x,)
+
+
+def _group_by_input(linears):
+    groups: dict[tuple, list[_Linear]] = {}
+    for m in linears:
+        key = (_input_key(m.x), val(m.weight).dtype, m.bias is None)
+        groups.setdefault(key, []).append(m)
+    return list(groups.values())
+
+
+def _rewrite_group(gm, group: list[_Linear], params) -> PackedWeight:
+    graph = gm.graph
+    weights = [params[m.weight.name] for m in group]
+    attr = f"kwker_weight_{len(gm.meta['kwker_packed'])}"
+    gm.register_buffer(attr, pack_weights(weights))
+    first = group[0].node
+    with graph.inserting_before(first):
+        w_node = graph.get_attr(attr)
+        w_node.meta["val"] = _fake_like(val(group[0].weight), getattr(gm, attr))
+        bias = _stacked_bias(gm, group, params, attr)
+        if len(group) == 1:
+            new = graph.call_function(ops.linear.default, (group[0].x, w_node, bias))
+            new.meta["val"] = val(first)
+            first.replace_all_uses_with(new)
+        else:
+            sizes = [val(m.weight).shape[0] for m in group]
+            new = graph.call_function(ops.linear_n.default, (group[0].x, w_node, bias, sizes))
+            new.meta["val"] = [val(m.node) for m in group]
+            for i, m in enumerate(group):
+                with graph.inserting_before(first):
+                    item = graph.call_function(operator.getitem, (new, i))
+                item.meta["val"] = val(m.node)
+                m.node.replace_all_uses_with(item)
+    sources = [m.weight.name for m in group]
+    return PackedWeight(attr, sources, [params[s]._version for s in sources])
+
+
+def _stacked_bias(gm, group, params, attr):
+    if group[0].bias is None:
+        return None
+    if len(group) == 1:
+        return group[0].bias
+    name = f"{attr}_bias"
+    gm.register_buffer(name, torch.cat([params[m.bias.name].detach() for m in group]))
+    node = gm.graph.get_attr(name)
+    node.meta["val"] = _fake_like(val(group[0].bias), getattr(gm, name))
+    return node
+
+
+def _fake_like(template_fake: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+    """A fake tensor in the graph's fake mode with the real tensor's metadata."""
+    return template_fake.fake_mode.from_tensor(real, static_shapes=True)

@@ -1,0 +1,50 @@
+"""Small predicates the rewrites use to read an ATen graph."""
+
+import torch
+from torch.fx import Node
+
+aten = torch.ops.aten
+
+
+def is_call(node, *targets) -> bool:
+    return isinstance(node, Node) and node.op == "call_function" and node.target in targets
+
+
+def val(node: Node) -> torch.Tensor:
+    return node.meta["val"]
+
+
+def last_dim(dim, ndim: int) -> bool:
+    return dim in (-1, ndim - 1)
+
+
+def only_user(node: Node) -> Node | None:
+    users = list(node.users)
+    return users[0] if len(users) == 1 else None
+
+
+def other_arg(node: Node, known) -> object:
+    """For a binary call with `known` as one argument, the other argument."""
+    a, b = node.args[:2]
+    if a is known:
+        return b
+    if b is known:
+        return a
+    return None
+
+
+def strip_float_upcast(node):
+    """x for x.to(float32) (an ATen _to_copy), else the node itself."""
+    if is_call(node, aten._to_copy.default) and node.kwargs.get("dtype") == torch.float32 and len(node.kwargs) == 1:
+        return node.args[0]
+    return node
+
+
+def replace(graph, old: Node, target, args) -> Node:
+    """Inserts target(*args) before `old`, moves old's users to it, and keeps
+    old's fake value so later passes and the lowering still read shapes."""
+    with graph.inserting_before(old):
+        new = graph.call_function(target, tuple(args))
+    new.meta["val"] = old.meta["val"]
+    old.replace_all_uses_with(new)
+    return new
