@@ -1,0 +1,78 @@
+"""Random-weight language models built from transformers configs, for kwker's
+token-equality tests and benchmarks. Nothing is downloaded: the configs are
+written out here, shaped like the checkpoints they are named after."""
+
+import torch
+
+# Small configs, one per architecture the decode path must handle. Each has
+# grouped-query attention where the architecture allows it.
+_SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+
+SMALL_CONFIGS = {
+    "llama": ("LlamaConfig", {}),
+    "qwen2": ("Qwen2Config", {}),
+    "qwen3": ("Qwen3Config", {"head_dim": 16}),
+    "mistral": ("MistralConfig", {"sliding_window": None}),
+    "phi3": ("Phi3Config", {"pad_token_id": 0}),
+    "gemma3": ("Gemma3TextConfig", {"head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 512}),
+    "olmo2": ("Olmo2Config", {}),
+}
+
+# Shaped like the checkpoints the decode benchmark names (public configs).
+BENCH_CONFIGS = {
+    "SmolLM2-360M": ("LlamaConfig", dict(
+        vocab_size=49152, hidden_size=960, intermediate_size=2560, num_hidden_layers=32,
+        num_attention_heads=15, num_key_value_heads=5, max_position_embeddings=8192,
+        rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True)),
+    "Qwen2.5-0.5B": ("Qwen2Config", dict(
+        vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+        num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
+        rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True)),
+    "Llama-3.2-1B": ("LlamaConfig", dict(
+        vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=131072,
+        rms_norm_eps=1e-5, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
+                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 8192})),
+}
+
+
+def make_config(config_class: str, **kwargs):
+    import transformers
+
+    return getattr(transformers, config_class)(**kwargs)
+
+
+def random_model(config, dtype=torch.float32, seed=0, bf16_valued=True, head_scale=1.0):
+    """A causal LM with random weights, in eval mode.
+
+    bf16_valued: every weight is exactly a bfloat16 value, as when a bf16
+    checkpoint is loaded in float32. head_scale multiplies the output head,
+    which spreads the logits (see tests/python/test_decode_tokens.py for how the
+    tests use it)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        if head_scale != 1.0:
+            model.get_output_embeddings().weight.mul_(head_scale)
+        for p in model.parameters():
+            if bf16_valued or dtype == torch.bfloat16:
+                p.copy_(p.to(torch.bfloat16).to(torch.float32))
+    # Random weights: no token means "end", so every run makes all its new tokens.
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model.to(dtype)
+
+
+def small_model(arch: str, dtype=torch.float32, seed=0, **kw):
+    config_class, extra = SMALL_CONFIGS[arch]
+    return random_model(make_config(config_class, **{**_SMALL, **extra}), dtype=dtype, seed=seed, **kw)
+
+
+def bench_model(name: str, dtype=torch.float32, seed=0):
+    config_class, kwargs = BENCH_CONFIGS[name]
+    return random_model(make_config(config_class, **kwargs), dtype=dtype, seed=seed)
