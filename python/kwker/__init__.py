@@ -5,7 +5,26 @@ torch finds the backend through the ``torch_dynamo_backends`` entry point, so
 the same function, for ``torch.compile(model, backend=kwker.backend)``.
 """
 
-__all__ = ["backend"]
+__all__ = ["backend", "compile_config", "report"]
+
+
+def compile_config(**kwargs):
+    """A transformers ``CompileConfig`` for ``generate()`` with backend "kwker":
+    ``mode=None`` (CompileConfig's default "reduce-overhead" would clash with
+    ``options=``) and ``_compile_all_devices``, without which generate() compiles
+    nothing on a CPU."""
+    from transformers import CompileConfig
+
+    config = CompileConfig(**{"backend": "kwker", "mode": None, "fullgraph": True, **kwargs})
+    config._compile_all_devices = True
+    return config
+
+
+def report() -> str:
+    """Each graph kwker compiled in this process: kind, fallback ops, compile seconds."""
+    from kwker.summary import format_report
+
+    return format_report()
 
 
 def __getattr__(name):

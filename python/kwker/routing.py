@@ -10,7 +10,7 @@ ACCELERATOR_DEVICES = frozenset({"cuda", "xpu", "mps"})
 
 @dataclass(frozen=True)
 class Route:
-    path: str  # "inductor-unchanged" or "inductor"
+    path: str  # "inductor-unchanged", "inductor" or "cpu-inference"
     reason: str
 
 
@@ -25,8 +25,12 @@ def graph_devices(gm: torch.fx.GraphModule, example_inputs) -> set[str]:
     return devices
 
 
-def route_graph(devices: set[str]) -> Route:
+def route_graph(devices: set[str], grad_enabled: bool = False, static_shapes: bool = True) -> Route:
     accelerators = sorted(devices & ACCELERATOR_DEVICES)
     if accelerators:
         return Route("inductor-unchanged", f"tensors on {', '.join(accelerators)}: kwker's kernels are CPU-only")
-    return Route("inductor", "CPU graph: kwker's own paths are not built yet, so Inductor compiles it")
+    if grad_enabled:
+        return Route("inductor", "a training graph (grad enabled): Inductor compiles it")
+    if not static_shapes:
+        return Route("inductor", "dynamic shapes: kwker's rewrites and plans need static shapes")
+    return Route("cpu-inference", "a CPU inference graph with static shapes")

@@ -23,9 +23,35 @@ static PyObject *op_names(PyObject *self, PyObject *unused) {
     return names;
 }
 
+/* The values of the ops' integer parameters (kw_ops.h), by name, so that Python
+ * never repeats a C constant. */
+static PyObject *op_params(PyObject *self, PyObject *unused) {
+    static const struct {
+        const char *name;
+        int value;
+    } params[] = {
+        {"NORM_GEMMA", KW_NORM_GEMMA},
+        {"ROPE_HALF", KW_ROPE_HALF},
+        {"ROPE_INTERLEAVED", KW_ROPE_INTERLEAVED},
+        {"GELU_ERF", KW_GELU_ERF},
+        {"GELU_TANH", KW_GELU_TANH},
+#define KW__BINARY_ENTRY(id, name) {"BINARY_" #id, KW_BINARY_##id},
+        KW_BINARY_OPS(KW__BINARY_ENTRY)
+#undef KW__BINARY_ENTRY
+    };
+    PyObject *dict = PyDict_New();
+    for (size_t i = 0; dict && i < sizeof params / sizeof *params; i++) {
+        PyObject *value = PyLong_FromLong(params[i].value);
+        if (!value || PyDict_SetItemString(dict, params[i].name, value) < 0) Py_CLEAR(dict);
+        Py_XDECREF(value);
+    }
+    return dict;
+}
+
 static PyMethodDef module_methods[] = {
     {"cpu_isa", cpu_isa, METH_NOARGS, "The best ISA kwker's kernels use on this CPU."},
     {"op_names", op_names, METH_NOARGS, "The names of kwker's native ops."},
+    {"op_params", op_params, METH_NOARGS, "The values of the ops' integer parameters, by name."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -52,8 +52,10 @@ def _fuse_llama_tail(graph, normed, x, eps) -> int:
         if cast.kwargs.get("dtype") != val(x).dtype:
             return 0
         scaled = only_user(cast)
-    else:
+    elif val(x).dtype == torch.float32:  # .to(float32) of a float32 tensor is no node
         cast, scaled = normed, cast
+    else:
+        return 0
     if not is_call(scaled, aten.mul.Tensor):
         return 0
     weight = other_arg(scaled, cast)
@@ -88,6 +90,7 @@ def fuse_residual_add(gm: torch.fx.GraphModule) -> int:
     """add(a, b) feeding an rms_norm becomes one add_rms_norm that writes both
     the sum (still used as the residual) and the normed value."""
     graph, count = gm.graph, 0
+    order = {n: i for i, n in enumerate(graph.nodes)}
     for norm in list(graph.nodes):
         if not is_call(norm, ops.rms_norm.default):
             continue
@@ -97,7 +100,9 @@ def fuse_residual_add(gm: torch.fx.GraphModule) -> int:
         a, b = add.args
         if not all(isinstance(t, torch.fx.Node) and val(t).shape == val(add).shape and val(t).dtype == val(add).dtype for t in (a, b)):
             continue
-        with graph.inserting_before(add.next):  # right after the add: its other users come later
+        if any(order.get(u, 0) < order[norm] for u in add.users if u is not norm):
+            continue  # the sum is used before the norm: no place for one fused op
+        with graph.inserting_before(norm):
             fused = graph.call_function(ops.add_rms_norm.default, (a, b, *norm.args[1:]))
             fused.meta["val"] = (val(add), val(norm))
             residual = graph.call_function(operator.getitem, (fused, 0))
@@ -108,3 +113,4 @@ def fuse_residual_add(gm: torch.fx.GraphModule) -> int:
         add.replace_all_uses_with(residual)
         count += 1
     return count
+

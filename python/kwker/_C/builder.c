@@ -1,0 +1,590 @@
+/* kwker._C.PlanBuilder: capture/'s builder driven from Python. Buffer and view
+ * ids are the C builder's; the Python side mirrors what a call needs later (each
+ * input's expected layout, each output's layout, fallbacks, returned views). */
+#include <stdint.h>
+
+#include "kw_binding.h"
+#include "kw_ops.h"
+
+typedef struct BuilderObject {
+    PyObject_HEAD
+    kw_builder *b;
+    kw__program *prog; /* NULL once finished */
+} BuilderObject;
+
+/* Zero-byte constants have no pointer of their own; they need a non-NULL one. */
+static _Alignas(64) char empty_constant[64];
+
+/* ---- the program tables ------------------------------------------------------------- */
+
+void kw__program_free(kw__program *p) {
+    if (!p) return;
+    for (int i = 0; i < p->n_inputs; i++) {
+        Py_XDECREF(p->inputs[i].name);
+        Py_XDECREF(p->inputs[i].shape_obj);
+        Py_XDECREF(p->inputs[i].stride_obj);
+    }
+    for (int i = 0; i < p->n_outputs; i++) {
+        Py_XDECREF(p->outputs[i].name);
+        Py_XDECREF(p->outputs[i].shape_obj);
+        Py_XDECREF(p->outputs[i].stride_obj);
+    }
+    for (int i = 0; i < p->n_fallbacks; i++) {
+        Py_XDECREF(p->fallbacks[i].fn);
+        Py_XDECREF(p->fallbacks[i].label);
+        PyMem_Free(p->fallbacks[i].views);
+        PyMem_Free(p->fallbacks[i].cidx);
+    }
+    Py_XDECREF(p->constants);
+    PyMem_Free(p->buffers);
+    PyMem_Free(p->views);
+    PyMem_Free(p->inputs);
+    PyMem_Free(p->outputs);
+    PyMem_Free(p->fallbacks);
+    PyMem_Free(p->returns);
+    PyMem_Free(p);
+}
+
+int kw__program_traverse(kw__program *p, visitproc visit, void *arg) {
+    if (!p) return 0;
+    Py_VISIT(p->constants);
+    for (int i = 0; i < p->n_fallbacks; i++) Py_VISIT(p->fallbacks[i].fn);
+    return 0;
+}
+
+/* Room for one more entry of a table; -1 with MemoryError. Done before the C
+ * builder call, so a failure cannot leave the two sides out of step. */
+static int reserve(void **items, int n, int *cap, size_t size) {
+    if (n < *cap) return 0;
+    const int new_cap = *cap ? 2 * *cap : 16;
+    void *p = PyMem_Realloc(*items, (size_t)new_cap * size);
+    if (!p) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    *items = p;
+    *cap = new_cap;
+    return 0;
+}
+
+#define RESERVE(prog, table) reserve((void **)&(prog)->table, (prog)->n_##table, &(prog)->cap_##table, sizeof *(prog)->table)
+
+static BuilderObject *open_builder(PyObject *self) {
+    BuilderObject *b = (BuilderObject *)self;
+    if (!b->prog) {
+        kw__plan_error(KW_ESTATE, "the builder is already finished");
+        return NULL;
+    }
+    return b;
+}
+
+static int fail(BuilderObject *b, int rc) {
+    kw__plan_error(rc, "%s", kw_builder_error(b->b));
+    return -1;
+}
+
+/* dtype, shape and strides (None: contiguous) as a layout; -1 with an exception. */
+static int parse_layout(PyObject *dtype, PyObject *shape, PyObject *strides, kw_tensor *t) {
+    *t = (kw_tensor){0};
+    if (kw__dtype_from_py(dtype, &t->dtype)) return -1;
+    if ((t->ndim = kw__int64_seq(shape, t->shape, KW_MAX_DIMS, "shape")) < 0) return -1;
+    if (strides == Py_None) {
+        int64_t expect = 1;
+        for (int d = t->ndim - 1; d >= 0; d--) {
+            t->stride[d] = expect;
+            expect *= t->shape[d] > 0 ? t->shape[d] : 1;
+        }
+        return 0;
+    }
+    const int n = kw__int64_seq(strides, t->stride, KW_MAX_DIMS, "strides");
+    if (n < 0) return -1;
+    if (n != t->ndim) {
+        PyErr_Format(PyExc_ValueError, "%d strides for %d dims", n, t->ndim);
+        return -1;
+    }
+    return 0;
+}
+
+static int64_t layout_bytes(const kw_tensor *t, const char *name) {
+    for (int d = 0; d < t->ndim; d++)
+        if (t->shape[d] < 0) {
+            PyErr_Format(PyExc_ValueError, "'%s': negative size in dim %d", name, d);
+            return -1;
+        }
+    const int64_t n = kw__layout_extent(t);
+    if (n < 0) PyErr_Format(PyExc_ValueError, "'%s': negative strides or a size that overflows", name);
+    return n;
+}
+
+static int add_py_buffer(kw__program *prog, int id, int source, int index) {
+    if (id != prog->n_buffers) {
+        PyErr_SetString(PyExc_SystemError, "kwker: builder buffer ids out of step");
+        return -1;
+    }
+    prog->buffers[prog->n_buffers++] = (kw__py_buffer){source, index};
+    return 0;
+}
+
+/* ---- buffers ------------------------------------------------------------------------ */
+
+static int add_input(BuilderObject *self, PyObject *name, const kw_tensor *t, PyObject *arg_obj, int is_static,
+                     int check_layout) {
+    kw__program *prog = self->prog;
+    const char *cname = PyUnicode_AsUTF8(name);
+    if (!cname) return -1;
+    const int64_t nbytes = layout_bytes(t, cname);
+    if (nbytes < 0) return -1;
+    long arg = prog->n_args;
+    if (arg_obj != Py_None) {
+        arg = PyLong_AsLong(arg_obj);
+        if (arg == -1 && PyErr_Occurred()) return -1;
+        if (arg < 0 || arg > (1 << 20)) {
+            PyErr_Format(PyExc_ValueError, "input '%s': argument position %ld", cname, arg);
+            return -1;
+        }
+    }
+    if (RESERVE(prog, inputs) || RESERVE(prog, buffers)) return -1;
+    PyObject *shape = kw__int64_tuple(t->shape, t->ndim), *stride = kw__int64_tuple(t->stride, t->ndim);
+    if (!shape || !stride) goto error;
+    /* A static input of zero bytes has nothing to protect and may have no address. */
+    is_static = is_static && nbytes > 0;
+    const int id = is_static ? kw_builder_static_input(self->b, cname, t->data, (size_t)nbytes)
+                             : kw_builder_input(self->b, cname, (size_t)nbytes);
+    if (id < 0) {
+        fail(self, id);
+        goto error;
+    }
+    if (add_py_buffer(prog, id, KW__SRC_INPUT, prog->n_inputs)) goto error;
+    prog->inputs[prog->n_inputs++] = (kw__py_input){
+        .name = Py_NewRef(name),
+        .arg = (int)arg,
+        .slot = kw_builder_slot(self->b, id),
+        .is_static = is_static,
+        .check_layout = check_layout,
+        .expected = t->data,
+        .t = *t,
+        .shape_obj = shape,
+        .stride_obj = stride,
+    };
+    if (arg + 1 > prog->n_args) prog->n_args = (int)arg + 1;
+    return id;
+error:
+    Py_XDECREF(shape);
+    Py_XDECREF(stride);
+    return -1;
+}
+
+static PyObject *builder_input(PyObject *self_, PyObject *args, PyObject *kw) {
+    static char *names[] = {"name", "dtype", "shape", "strides", "arg", NULL};
+    PyObject *name, *dtype, *shape, *strides = Py_None, *arg = Py_None;
+    BuilderObject *self = open_builder(self_);
+    if (!self || !PyArg_ParseTupleAndKeywords(args, kw, "UOO|O$O:input", names, &name, &dtype, &shape, &strides, &arg))
+        return NULL;
+    kw_tensor t;
+    if (parse_layout(dtype, shape, strides, &t)) return NULL;
+    const int id = add_input(self, name, &t, arg, 0, 1);
+    return id < 0 ? NULL : PyLong_FromLong(id);
+}
+
+static PyObject *builder_static_input(PyObject *self_, PyObject *args, PyObject *kw) {
+    static char *names[] = {"name", "tensor", "arg", "check_layout", NULL};
+    PyObject *name, *tensor, *arg = Py_None;
+    int check_layout = 1;
+    BuilderObject *self = open_builder(self_);
+    if (!self || !PyArg_ParseTupleAndKeywords(args, kw, "UO|$Op:static_input", names, &name, &tensor, &arg,
+                                              &check_layout))
+        return NULL;
+    kw_tensor t;
+    if (kw__tensor_read(tensor, "static input", &t)) return NULL;
+    const int id = add_input(self, name, &t, arg, 1, check_layout);
+    return id < 0 ? NULL : PyLong_FromLong(id);
+}
+
+static PyObject *builder_constant(PyObject *self_, PyObject *args, PyObject *kw) {
+    static char *names[] = {"tensor", "name", NULL};
+    PyObject *tensor;
+    const char *name = NULL;
+    BuilderObject *self = open_builder(self_);
+    if (!self || !PyArg_ParseTupleAndKeywords(args, kw, "O|z:constant", names, &tensor, &name)) return NULL;
+    kw__program *prog = self->prog;
+    kw_tensor t;
+    if (kw__tensor_read(tensor, "constant", &t)) return NULL;
+    if (!name) name = "constant";
+    const int64_t nbytes = layout_bytes(&t, name);
+    if (nbytes < 0 || RESERVE(prog, buffers)) return NULL;
+    const int id = kw_builder_constant(self->b, name, t.data ? t.data : empty_constant, (size_t)nbytes);
+    if (id < 0) return fail(self, id), NULL;
+    if (add_py_buffer(prog, id, KW__SRC_CONST, (int)PyList_GET_SIZE(prog->constants)) ||
+        PyList_Append(prog->constants, tensor))
+        return NULL;
+    return PyLong_FromLong(id);
+}
+
+static PyObject *builder_arena(PyObject *self_, PyObject *args, PyObject *kw) {
+    static char *names[] = {"nbytes", "name", NULL};
+    Py_ssize_t nbytes;
+    const char *name = "arena";
+    BuilderObject *self = open_builder(self_);
+    if (!self || !PyArg_ParseTupleAndKeywords(args, kw, "n|z:arena", names, &nbytes, &name)) return NULL;
+    if (nbytes < 0) return PyErr_Format(PyExc_ValueError, "arena '%s': %zd bytes", name ? name : "", nbytes);
+    if (RESERVE(self->prog, buffers)) return NULL;
+    const int id = kw_builder_arena(self->b, name ? name : "arena", (size_t)nbytes);
+    if (id < 0) return fail(self, id), NULL;
+    if (add_py_buffer(self->prog, id, KW__SRC_ARENA, -1)) return NULL;
+    return PyLong_FromLong(id);
+}
+
+static PyObject *builder_output_buffer(PyObject *self_, PyObject *args, PyObject *kw) {
+    static char *names[] = {"name", "dtype", "shape", "strides", NULL};
+    PyObject *name, *dtype, *shape, *strides = Py_None;
+    BuilderObject *self = open_builder(self_);
+    if (!self || !PyArg_ParseTupleAndKeywords(args, kw, "UOO|O:output_buffer", names, &name, &dtype, &shape, &strides))
+        return NULL;
+    kw__program *prog = self->prog;
+    kw_tensor t;
+    const char *cname = PyUnicode_AsUTF8(name);
+    if (!cname || parse_layout(dtype, shape, strides, &t)) return NULL;
+    const int64_t nbytes = layout_bytes(&t, cname);
+    if (nbytes < 0 || RESERVE(prog, outputs) || RESERVE(prog, buffers)) return NULL;
+    PyObject *shape_obj = kw__int64_tuple(t.shape, t.ndim), *stride_obj = kw__int64_tuple(t.stride, t.ndim);
+    int id = -1;
+    if (shape_obj && stride_obj) {
+        id = kw_builder_output(self->b, cname, (size_t)nbytes);
+        if (id < 0) fail(self, id);
+    }
+    if (id < 0 || add_py_buffer(prog, id, KW__SRC_OUTPUT, prog->n_outputs)) {
+        Py_XDECREF(shape_obj);
+        Py_XDECREF(stride_obj);
+        return NULL;
+    }
+    prog->outputs[prog->n_outputs++] = (kw__py_output){
+        .name = Py_NewRef(name),
+        .slot = kw_builder_slot(self->b, id),
+        .t = t,
+        .shape_obj = shape_obj,
+        .stride_obj = stride_obj,
+    };
+    return PyLong_FromLong(id);
+}
+
+/* ---- views and steps ------------------------------------------------------------------ */
+
+static PyObject *builder_view(PyObject *self_, PyObject *args, PyObject *kw) {
+    static char *names[] = {"buffer", "dtype", "shape", "strides", "offset", NULL};
+    int buffer;
+    PyObject *dtype, *shape, *strides = Py_None;
+    Py_ssize_t offset = 0;
+    BuilderObject *self = open_builder(self_);
+    if (!self || !PyArg_ParseTupleAndKeywords(args, kw, "iOO|On:view", names, &buffer, &dtype, &shape, &strides,
+                                              &offset))
+        return NULL;
+    kw_tensor t;
+    if (parse_layout(dtype, shape, strides, &t)) return NULL;
+    if (offset < 0) return PyErr_Format(PyExc_ValueError, "view: byte offset %zd", offset);
+    if (RESERVE(self->prog, views)) return NULL;
+    const int id = kw_builder_view(self->b, buffer, t.dtype, t.ndim, t.shape, t.stride, (size_t)offset);
+    if (id < 0) return fail(self, id), NULL;
+    self->prog->views[self->prog->n_views++] = (kw__py_view){buffer, (size_t)offset, t};
+    return PyLong_FromLong(id);
+}
+
+static int parse_view_ids(PyObject *seq, int *out, int max, int allow_none, const char *what) {
+    PyObject *fast = PySequence_Fast(seq, what);
+    if (!fast) return -1;
+    const Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    int rc = (int)n;
+    if (n > max) {
+        PyErr_Format(PyExc_ValueError, "%s: %zd views, at most %d", what, n, max);
+        rc = -1;
+    }
+    for (Py_ssize_t i = 0; rc >= 0 && i < n; i++) {
+        PyObject *v = PySequence_Fast_GET_ITEM(fast, i);
+        if (v == Py_None && allow_none) {
+            out[i] = -1;
+            continue;
+        }
+        const long id = PyLong_AsLong(v);
+        if (id == -1 && PyErr_Occurred()) rc = -1;
+        out[i] = (int)id;
+    }
+    Py_DECREF(fast);
+    return rc;
+}
+
+static int label_step(BuilderObject *self, int step, PyObject *label) {
+    if (label == Py_None) return 0;
+    const char *text = PyUnicode_AsUTF8(label);
+    if (!text) return -1;
+    const int rc = kw_builder_label(self->b, step, text);
+    return rc < 0 ? fail(self, rc) : 0;
+}
+
+static PyObject *builder_op(PyObject *self_, PyObject *args, PyObject *kw) {
+    static char *names[] = {"name", "views", "ip", "fp", "label", NULL};
+    const char *name;
+    PyObject *views_obj, *ip_obj = NULL, *fp_obj = NULL, *label = Py_None;
+    BuilderObject *self = open_builder(self_);
+    if (!self || !PyArg_ParseTupleAndKeywords(args, kw, "sO|OO$O:op", names, &name, &views_obj, &ip_obj, &fp_obj,
+                                              &label))
+        return NULL;
+    const int op = kw_op_find(name);
+    if (op < 0) return kw__plan_error(KW_EINVAL, "no kwker op named '%s' (kwker._C.op_names() lists them)", name);
+    int views[KW_CALL_MAX_TENSORS];
+    int64_t ip[KW_CALL_MAX_PARAMS];
+    double fp[KW_CALL_MAX_PARAMS];
+    const int n_views = parse_view_ids(views_obj, views, KW_CALL_MAX_TENSORS, 1, "op views");
+    if (n_views < 0) return NULL;
+    const int n_ip = ip_obj ? kw__int64_seq(ip_obj, ip, KW_CALL_MAX_PARAMS, "ip") : 0;
+    if (n_ip < 0) return NULL;
+    int n_fp = 0;
+    if (fp_obj) {
+        PyObject *fast = PySequence_Fast(fp_obj, "fp");
+        if (!fast) return NULL;
+        n_fp = (int)PySequence_Fast_GET_SIZE(fast);
+        if (n_fp > KW_CALL_MAX_PARAMS) n_fp = -1, PyErr_SetString(PyExc_ValueError, "fp: at most 8 values");
+        for (int i = 0; i < n_fp; i++)
+            if ((fp[i] = PyFloat_AsDouble(PySequence_Fast_GET_ITEM(fast, i))) == -1.0 && PyErr_Occurred()) n_fp = -1;
+        Py_DECREF(fast);
+        if (n_fp < 0) return NULL;
+    }
+    const int step = kw_builder_op(self->b, op, views, n_views, ip, n_ip, fp, n_fp);
+    if (step < 0) return fail(self, step), NULL;
+    if (label_step(self, step, label)) return NULL;
+    return PyLong_FromLong(step);
+}
+
+static int check_torch_view(BuilderObject *self, int view, const char *what) {
+    if (view < 0 || view >= self->prog->n_views) {
+        PyErr_Format(PyExc_ValueError, "%s: no view %d", what, view);
+        return -1;
+    }
+    if (kw__layout_extent(&self->prog->views[view].t) < 0) {
+        PyErr_Format(PyExc_ValueError, "%s: view %d has negative strides, which torch tensors cannot have", what,
+                     view);
+        return -1;
+    }
+    return 0;
+}
+
+/* The C step gets each view once, with the union of its accesses; the Python
+ * function gets reads and writes as given (a view in both is one tensor). */
+static int fallback_views(BuilderObject *self, const int *ids, int n_reads, int n, int *unique, char *access,
+                          int *cidx) {
+    int n_unique = 0;
+    for (int i = 0; i < n; i++) {
+        if (check_torch_view(self, ids[i], "fallback")) return -1;
+        const char a = i < n_reads ? KW_READ : KW_WRITE;
+        int j = 0;
+        while (j < n_unique && unique[j] != ids[i]) j++;
+        if (j == n_unique) {
+            unique[n_unique] = ids[i];
+            access[n_unique++] = a;
+        } else if (access[j] != a) {
+            access[j] = KW_MODIFY;
+        }
+        cidx[i] = j;
+    }
+    return n_unique;
+}
+
+static PyObject *builder_fallback(PyObject *self_, PyObject *args, PyObject *kw) {
+    static char *names[] = {"fn", "reads", "writes", "label", NULL};
+    PyObject *fn, *reads_obj, *writes_obj, *label = Py_None;
+    BuilderObject *self = open_builder(self_);
+    if (!self || !PyArg_ParseTupleAndKeywords(args, kw, "OOO|$O:fallback", names, &fn, &reads_obj, &writes_obj, &label))
+        return NULL;
+    if (!PyCallable_Check(fn)) return PyErr_Format(PyExc_TypeError, "fallback: fn must be callable");
+    kw__program *prog = self->prog;
+    PyObject *reads = PySequence_Fast(reads_obj, "fallback reads"), *writes = NULL;
+    int *ids = NULL, *unique = NULL, *cidx = NULL;
+    char *access = NULL;
+    PyObject *result = NULL;
+    if (!reads || !(writes = PySequence_Fast(writes_obj, "fallback writes"))) goto done;
+    const int n_reads = (int)PySequence_Fast_GET_SIZE(reads), n = n_reads + (int)PySequence_Fast_GET_SIZE(writes);
+    ids = PyMem_Malloc(sizeof(int) * (size_t)(n + 1));
+    unique = PyMem_Malloc(sizeof(int) * (size_t)(n + 1));
+    access = PyMem_Malloc((size_t)n + 1);
+    cidx = PyMem_Malloc(sizeof(int) * (size_t)(n + 1));
+    if (!ids || !unique || !access || !cidx) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (parse_view_ids(reads, ids, n_reads, 0, "fallback reads") < 0 ||
+        parse_view_ids(writes, ids + n_reads, n - n_reads, 0, "fallback writes") < 0)
+        goto done;
+    const int n_unique = fallback_views(self, ids, n_reads, n, unique, access, cidx);
+    if (n_unique < 0 || RESERVE(prog, fallbacks)) goto done;
+    if (label == Py_None) {
+        label = PyObject_GetAttrString(fn, "__qualname__");
+        if (!label || !PyUnicode_Check(label)) {
+            PyErr_Clear();
+            Py_XDECREF(label);
+            label = PyUnicode_FromString("fallback");
+            if (!label) goto done;
+        }
+    } else {
+        Py_INCREF(label);
+    }
+    const int index = prog->n_fallbacks;
+    const int step = kw_builder_fallback(self->b, kw__fallback_call, (void *)(intptr_t)index, unique, access, n_unique);
+    if (step < 0) {
+        Py_DECREF(label);
+        fail(self, step);
+        goto done;
+    }
+    prog->fallbacks[prog->n_fallbacks++] = (kw__py_fallback){
+        .fn = Py_NewRef(fn), .label = label, .n_reads = n_reads, .n_writes = n - n_reads, .views = ids, .cidx = cidx};
+    ids = cidx = NULL;
+    if (label_step(self, step, label)) goto done;
+    result = PyLong_FromLong(step);
+done:
+    Py_XDECREF(reads);
+    Py_XDECREF(writes);
+    PyMem_Free(ids);
+    PyMem_Free(unique);
+    PyMem_Free(access);
+    PyMem_Free(cidx);
+    return result;
+}
+
+static PyObject *builder_output(PyObject *self_, PyObject *arg) {
+    BuilderObject *self = open_builder(self_);
+    if (!self) return NULL;
+    const long view = PyLong_AsLong(arg);
+    if (view == -1 && PyErr_Occurred()) return NULL;
+    kw__program *prog = self->prog;
+    if (check_torch_view(self, (int)view, "output")) return NULL;
+    const kw__py_view *v = &prog->views[view];
+    if (prog->buffers[v->buffer].source == KW__SRC_ARENA)
+        return kw__plan_error(KW_EINVAL,
+                              "output: view %ld lies in an arena buffer, which the next call reuses; "
+                              "declare its memory with output_buffer()",
+                              view);
+    if (RESERVE(prog, returns)) return NULL;
+    prog->returns[prog->n_returns] = (int)view;
+    return PyLong_FromLong(prog->n_returns++);
+}
+
+static PyObject *builder_finish(PyObject *self_, PyObject *args, PyObject *kw) {
+    static char *names[] = {"n_threads", "n_args", "barrier_every_step", NULL};
+    PyObject *threads_obj = Py_None, *n_args_obj = Py_None;
+    int barrier_every_step = 0;
+    BuilderObject *self = open_builder(self_);
+    if (!self || !PyArg_ParseTupleAndKeywords(args, kw, "|O$Op:finish", names, &threads_obj, &n_args_obj,
+                                              &barrier_every_step))
+        return NULL;
+    PyObject *threads = threads_obj == Py_None ? PyObject_CallNoArgs(kw__t.get_num_threads) : Py_NewRef(threads_obj);
+    if (!threads) return NULL;
+    const long n_threads = PyLong_AsLong(threads);
+    Py_DECREF(threads);
+    if (n_threads == -1 && PyErr_Occurred()) return NULL;
+    kw__program *prog = self->prog;
+    if (n_args_obj != Py_None) {
+        const long n_args = PyLong_AsLong(n_args_obj);
+        if (n_args == -1 && PyErr_Occurred()) return NULL;
+        if (n_args < prog->n_args || n_args > (1 << 20))
+            return PyErr_Format(PyExc_ValueError, "finish: n_args %ld, but an input reads argument %d", n_args,
+                                prog->n_args - 1);
+        prog->n_args = (int)n_args;
+    }
+    const kw_finish_opts o = {.n_threads = (int)(n_threads > 0 && n_threads <= 1024 ? n_threads : -1),
+                              .barrier_every_step = barrier_every_step,
+                              .isa = -1};
+    kw_plan *plan;
+    char msg[512];
+    const int rc = kw_builder_finish(self->b, &o, &plan, msg, sizeof msg);
+    if (rc) return kw__plan_error(rc, "%s", msg);
+    self->prog = NULL;
+    return kw__plan_new(plan, prog, o.n_threads);
+}
+
+/* ---- the type ------------------------------------------------------------------------ */
+
+static PyObject *builder_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
+    if (PyTuple_GET_SIZE(args) || (kw && PyDict_GET_SIZE(kw)))
+        return PyErr_Format(PyExc_TypeError, "PlanBuilder() takes no arguments");
+    if (kw__torch_init()) return NULL;
+    BuilderObject *self = (BuilderObject *)type->tp_alloc(type, 0);
+    if (!self) return NULL;
+    self->b = kw_builder_create();
+    self->prog = PyMem_Calloc(1, sizeof *self->prog);
+    if (self->prog) self->prog->constants = PyList_New(0);
+    if (!self->b || !self->prog || !self->prog->constants) {
+        Py_DECREF(self);
+        return PyErr_NoMemory();
+    }
+    return (PyObject *)self;
+}
+
+static int builder_traverse(PyObject *self, visitproc visit, void *arg) {
+    return kw__program_traverse(((BuilderObject *)self)->prog, visit, arg);
+}
+
+static int builder_clear(PyObject *self_) {
+    BuilderObject *self = (BuilderObject *)self_;
+    kw__program *prog = self->prog;
+    self->prog = NULL;
+    kw__program_free(prog);
+    return 0;
+}
+
+static void builder_dealloc(PyObject *self) {
+    PyObject_GC_UnTrack(self);
+    builder_clear(self);
+    kw_builder_destroy(((BuilderObject *)self)->b);
+    Py_TYPE(self)->tp_free(self);
+}
+
+static PyMethodDef builder_methods[] = {
+    {"input", (PyCFunction)(void (*)(void))builder_input, METH_VARARGS | METH_KEYWORDS,
+     "input(name, dtype, shape, strides=None, *, arg=None) -> buffer id\n\n"
+     "A per-call input: argument `arg` (default: the next position) must be a CPU tensor of exactly\n"
+     "this dtype, shape and strides (strides of size-1 dims aside); its pointer is bound each call."},
+    {"static_input", (PyCFunction)(void (*)(void))builder_static_input, METH_VARARGS | METH_KEYWORDS,
+     "static_input(name, tensor, *, arg=None, check_layout=True) -> buffer id\n\n"
+     "An input that must be `tensor`'s memory on every call (a KV cache): each call checks the\n"
+     "argument's data pointer (and, with check_layout, dtype, shape and strides) and raises\n"
+     "PlanError naming the input when it moved. The tensor itself is not kept alive."},
+    {"constant", (PyCFunction)(void (*)(void))builder_constant, METH_VARARGS | METH_KEYWORDS,
+     "constant(tensor, name=None) -> buffer id\n\nRead-only memory at a fixed address; the plan keeps "
+     "the tensor alive."},
+    {"arena", (PyCFunction)(void (*)(void))builder_arena, METH_VARARGS | METH_KEYWORDS,
+     "arena(nbytes, name=None) -> buffer id\n\nAn intermediate buffer placed in the plan's arena by "
+     "liveness."},
+    {"output_buffer", (PyCFunction)(void (*)(void))builder_output_buffer, METH_VARARGS | METH_KEYWORDS,
+     "output_buffer(name, dtype, shape, strides=None) -> buffer id\n\n"
+     "A tensor allocated fresh on every call (torch.empty_strided) that steps write into."},
+    {"view", (PyCFunction)(void (*)(void))builder_view, METH_VARARGS | METH_KEYWORDS,
+     "view(buffer, dtype, shape, strides=None, offset=0) -> view id\n\n"
+     "A typed view `offset` bytes into a buffer; strides in elements (None: contiguous)."},
+    {"op", (PyCFunction)(void (*)(void))builder_op, METH_VARARGS | METH_KEYWORDS,
+     "op(name, views, ip=(), fp=(), *, label=None) -> step index\n\n"
+     "A native kernel step; views[k] (a view id, or None for an absent optional tensor) goes to the\n"
+     "op's tensor slot k; ip / fp are its int and float parameters."},
+    {"fallback", (PyCFunction)(void (*)(void))builder_fallback, METH_VARARGS | METH_KEYWORDS,
+     "fallback(fn, reads, writes, *, label=None) -> step index\n\n"
+     "A Python step: fn(reads, writes) is called with two tuples of torch tensors over the views'\n"
+     "memory and must write its results into `writes` in place. It runs on the calling thread\n"
+     "with the GIL while the pool waits; an exception aborts the call and is re-raised."},
+    {"output", builder_output, METH_O,
+     "output(view) -> index in the returned tuple\n\n"
+     "Returns a view of an output buffer (a fresh tensor each call), an input or a constant."},
+    {"finish", (PyCFunction)(void (*)(void))builder_finish, METH_VARARGS | METH_KEYWORDS,
+     "finish(n_threads=None, *, n_args=None, barrier_every_step=False) -> Plan\n\n"
+     "Validates and plans. n_threads defaults to torch.get_num_threads(); n_args (default: one past\n"
+     "the last input's position) is how many positional arguments a call takes - arguments no input\n"
+     "reads are ignored. Raises PlanError naming the step and the problem."},
+    {NULL, NULL, 0, NULL},
+};
+
+PyTypeObject kw__PlanBuilderType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kwker._C.PlanBuilder",
+    .tp_doc = "PlanBuilder() - declare buffers, views and steps, then finish() into a Plan.",
+    .tp_basicsize = sizeof(BuilderObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_new = builder_new,
+    .tp_dealloc = builder_dealloc,
+    .tp_traverse = builder_traverse,
+    .tp_clear = builder_clear,
+    .tp_methods = builder_methods,
+};

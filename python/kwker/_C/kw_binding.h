@@ -1,0 +1,124 @@
+/* kw_binding.h — internal to the binding of capture/ and runtime/: the PyTorch
+ * objects it uses (reached through Python attributes only, never C++ headers),
+ * the Python-side description of a program, and the PlanBuilder and Plan types. */
+#ifndef KW_BINDING_H
+#define KW_BINDING_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include "kw_capture.h"
+
+/* ---- torch, imported on first use ------------------------------------------------ */
+
+typedef struct kw__torch {
+    PyObject *module;
+    PyTypeObject *tensor_type;
+    PyObject *dtype[KW_DTYPE_COUNT]; /* torch.float32, ... by kw_dtype */
+    PyObject *empty_strided, *frombuffer, *get_num_threads, *cpu;
+    PyObject *kw_dtype_device; /* ("dtype", "device"): keyword names for empty_strided */
+    PyObject *s_dtype, *s_shape, *s_stride, *s_data_ptr, *s_is_cpu, *s_as_strided, *s_storage_offset;
+} kw__torch;
+
+extern kw__torch kw__t;
+
+int kw__torch_init(void); /* 0, or -1 with an exception set */
+
+extern PyObject *kw__PlanError;
+/* Raises PlanError(message) with .code = code; returns NULL. */
+PyObject *kw__plan_error(int code, const char *fmt, ...);
+
+int kw__dtype_from_py(PyObject *obj, kw_dtype *out); /* torch.dtype or its name */
+
+/* A sequence of at most `max` ints; returns its length or -1 with an exception. */
+int kw__int64_seq(PyObject *seq, int64_t *out, int max, const char *what);
+PyObject *kw__int64_tuple(const int64_t *v, int n);
+
+/* dtype, shape, strides and data pointer of a CPU tensor; -1 with an exception. */
+int kw__tensor_read(PyObject *t, const char *what, kw_tensor *out);
+
+/* Bytes from a layout's first element to past its last (0 when empty); strides
+ * must not be negative. -1 on overflow. */
+int64_t kw__layout_extent(const kw_tensor *t);
+
+/* A torch tensor over t->data with t's layout, keeping `owner` alive (and with
+ * it the memory) for as long as the tensor lives. */
+PyObject *kw__tensor_over(PyObject *owner, const kw_tensor *t);
+
+/* A buffer-protocol object over [ptr, ptr + len) that keeps `owner` alive and,
+ * when `plan` is given, destroys that plan (and so its arena) when it dies. */
+PyObject *kw__memory_new(PyObject *owner, void *ptr, Py_ssize_t len, kw_plan *plan);
+extern PyTypeObject kw__MemoryType;
+
+/* ---- the program as Python sees it ------------------------------------------------ */
+
+typedef enum kw__source {
+    KW__SRC_INPUT,  /* index into inputs (static inputs included) */
+    KW__SRC_OUTPUT, /* index into outputs */
+    KW__SRC_CONST,  /* index into the constants list */
+    KW__SRC_ARENA,
+} kw__source;
+
+typedef struct kw__py_buffer {
+    int source, index;
+} kw__py_buffer;
+
+typedef struct kw__py_view {
+    int buffer;
+    size_t offset;
+    kw_tensor t; /* layout only */
+} kw__py_view;
+
+typedef struct kw__py_input {
+    PyObject *name;
+    int arg, slot, is_static, check_layout;
+    void *expected;
+    kw_tensor t;                    /* dtype, shape, strides */
+    PyObject *shape_obj, *stride_obj; /* tuples, compared with the argument's */
+} kw__py_input;
+
+typedef struct kw__py_output {
+    PyObject *name;
+    int slot;
+    kw_tensor t;
+    PyObject *shape_obj, *stride_obj;
+} kw__py_output;
+
+typedef struct kw__py_fallback {
+    PyObject *fn, *label;
+    int n_reads, n_writes;
+    int *views; /* view ids: reads then writes */
+    int *cidx;  /* for each, its index among the C step's (deduplicated) views */
+} kw__py_fallback;
+
+typedef struct kw__py_return {
+    int view;
+} kw__py_return;
+
+typedef struct kw__program {
+    kw__py_buffer *buffers;
+    kw__py_view *views;
+    kw__py_input *inputs;
+    kw__py_output *outputs;
+    kw__py_fallback *fallbacks;
+    int *returns; /* view ids */
+    int n_buffers, n_views, n_inputs, n_outputs, n_fallbacks, n_returns, n_args;
+    int cap_buffers, cap_views, cap_inputs, cap_outputs, cap_fallbacks, cap_returns;
+    PyObject *constants; /* list of tensors, kept alive */
+} kw__program;
+
+void kw__program_free(kw__program *p);
+int kw__program_traverse(kw__program *p, visitproc visit, void *arg);
+
+/* ---- the types ------------------------------------------------------------------- */
+
+extern PyTypeObject kw__PlanBuilderType;
+extern PyTypeObject kw__PlanType;
+
+/* The host step every fallback of every plan runs: user is the fallback's index. */
+int kw__fallback_call(void *user, kw_tensor *views, int n);
+
+/* Takes the builder's plan and program (both owned by the result from then on). */
+PyObject *kw__plan_new(kw_plan *plan, kw__program *prog, int n_threads);
+
+#endif

@@ -1,0 +1,515 @@
+/* kwker._C.Plan: a finished plan, called like a function with torch tensors.
+ *
+ * A call checks every input against the plan (type, device, dtype, shape,
+ * strides; a static input's address), allocates the fresh outputs, releases the
+ * GIL for the replay and returns the outputs. Fallback steps take the GIL back
+ * on the calling thread (thread 0 of the pool) for their Python call only.
+ *
+ * Threads: one kw_pool per thread count, per process, made on first use and
+ * kept for the process's life (a forked child makes its own: the workers do not
+ * survive fork). kw_pool_run serialises plans that share a pool. */
+#include <pthread.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "kw_binding.h"
+
+typedef struct PlanObject {
+    PyObject_HEAD
+    vectorcallfunc vectorcall;
+    PyObject *dict;
+    PyObject *weakrefs;
+    PyObject *memory; /* owns the kw_plan and its arena */
+    kw_plan *plan;
+    kw__program *prog;
+    int n_threads, busy;
+    void **slots;           /* this call's pointers, by slot */
+    PyObject **fresh;       /* this call's output tensors, by output */
+    PyObject **fixed;       /* by view: a tensor made once (constant and arena views) */
+    unsigned char *whole;   /* by return: the view is its tensor entire */
+    PyObject *const *args;  /* this call's arguments */
+    PyObject *exc_type, *exc_value, *exc_tb; /* a fallback's exception */
+} PlanObject;
+
+/* The plan replaying on this thread: fallbacks find their plan here, and a
+ * plan called from a fallback is refused (its pool would wait on itself). */
+static _Thread_local PlanObject *replaying;
+
+/* ---- pools ------------------------------------------------------------------------- */
+
+#define MAX_POOL 1024
+static kw_pool *pools[MAX_POOL + 1];
+
+static void forget_pools(void) { memset(pools, 0, sizeof pools); }
+
+/* Called with the GIL held, which is what makes the table safe. */
+static kw_pool *pool_get(int n_threads) {
+    static int atfork_registered;
+    if (!atfork_registered) {
+        pthread_atfork(NULL, NULL, forget_pools);
+        atfork_registered = 1;
+    }
+    if (!pools[n_threads]) pools[n_threads] = kw_pool_create(n_threads);
+    if (!pools[n_threads]) PyErr_NoMemory();
+    return pools[n_threads];
+}
+
+/* ---- a call ------------------------------------------------------------------------ */
+
+static PyObject *as_tuple(PyObject *seq) {
+    PyObject *t = PySequence_Tuple(seq);
+    if (!t) PyErr_Clear();
+    return t ? t : Py_NewRef(seq);
+}
+
+static int layout_error(const kw__py_input *in, int code, const char *what, PyObject *expected, PyObject *got) {
+    PyObject *got_tuple = as_tuple(got);
+    kw__plan_error(code, "%s '%U' (argument %d): expected %s %R, got %R", in->is_static ? "static input" : "input",
+                   in->name, in->arg, what, expected, got_tuple);
+    Py_DECREF(got_tuple);
+    return -1;
+}
+
+/* Strides of size-1 dims do not matter (PyTorch is free to pick them). */
+static int strides_match(const kw__py_input *in, PyObject *got) {
+    int64_t s[KW_MAX_DIMS];
+    const int n = kw__int64_seq(got, s, KW_MAX_DIMS, "stride");
+    if (n < 0) {
+        PyErr_Clear();
+        return 0;
+    }
+    for (int d = 0; d < in->t.ndim; d++)
+        if (in->t.shape[d] == 0) return 1;
+    for (int d = 0; d < in->t.ndim; d++)
+        if (in->t.shape[d] > 1 && s[d] != in->t.stride[d]) return 0;
+    return n == in->t.ndim;
+}
+
+static int check_layout(const kw__py_input *in, PyObject *t) {
+    PyObject *is_cpu = PyObject_GetAttr(t, kw__t.s_is_cpu);
+    if (!is_cpu) return -1;
+    Py_DECREF(is_cpu);
+    if (is_cpu != Py_True) {
+        kw__plan_error(KW_EINVAL, "input '%U' (argument %d) must be a CPU tensor", in->name, in->arg);
+        return -1;
+    }
+    PyObject *dtype = PyObject_GetAttr(t, kw__t.s_dtype);
+    if (!dtype) return -1;
+    Py_DECREF(dtype); /* dtypes are module-level singletons: identity is enough */
+    if (dtype != kw__t.dtype[in->t.dtype]) return layout_error(in, KW_EDTYPE, "dtype", kw__t.dtype[in->t.dtype], dtype);
+    PyObject *shape = PyObject_GetAttr(t, kw__t.s_shape);
+    if (!shape) return -1;
+    int eq = PyObject_RichCompareBool(shape, in->shape_obj, Py_EQ);
+    if (eq <= 0) {
+        if (eq == 0) layout_error(in, KW_ESHAPE, "shape", in->shape_obj, shape);
+        Py_DECREF(shape);
+        return -1;
+    }
+    Py_DECREF(shape);
+    PyObject *stride = PyObject_CallMethodNoArgs(t, kw__t.s_stride);
+    if (!stride) return -1;
+    eq = PyObject_RichCompareBool(stride, in->stride_obj, Py_EQ);
+    if (eq == 0 && !strides_match(in, stride)) layout_error(in, KW_ESHAPE, "strides", in->stride_obj, stride);
+    Py_DECREF(stride);
+    return PyErr_Occurred() ? -1 : 0;
+}
+
+static int bind_input(PlanObject *p, const kw__py_input *in, PyObject *t) {
+    if (!PyObject_TypeCheck(t, kw__t.tensor_type)) {
+        PyErr_Format(PyExc_TypeError, "input '%U' (argument %d) must be a torch.Tensor, not %.100s", in->name,
+                     in->arg, Py_TYPE(t)->tp_name);
+        return -1;
+    }
+    if ((!in->is_static || in->check_layout) && check_layout(in, t)) return -1;
+    PyObject *ptr_obj = PyObject_CallMethodNoArgs(t, kw__t.s_data_ptr);
+    if (!ptr_obj) return -1;
+    void *ptr = PyLong_AsVoidPtr(ptr_obj);
+    Py_DECREF(ptr_obj);
+    if (!ptr && PyErr_Occurred()) return -1;
+    if (in->is_static && ptr != in->expected) {
+        kw__plan_error(KW_ESTATIC,
+                       "static input '%U' (argument %d) is not the tensor the plan was built with: its data is at "
+                       "%p, the plan's at %p (a new cache object needs a new plan)",
+                       in->name, in->arg, ptr, in->expected);
+        return -1;
+    }
+    p->slots[in->slot] = ptr;
+    return 0;
+}
+
+static void drop_fresh(PlanObject *p) {
+    for (int i = 0; i < p->prog->n_outputs; i++) Py_CLEAR(p->fresh[i]);
+}
+
+static int make_outputs(PlanObject *p) {
+    for (int i = 0; i < p->prog->n_outputs; i++) {
+        const kw__py_output *o = &p->prog->outputs[i];
+        PyObject *args[4] = {o->shape_obj, o->stride_obj, kw__t.dtype[o->t.dtype], kw__t.cpu};
+        PyObject *t = PyObject_Vectorcall(kw__t.empty_strided, args, 2, kw__t.kw_dtype_device);
+        if (!t) return -1;
+        p->fresh[i] = t;
+        PyObject *ptr_obj = PyObject_CallMethodNoArgs(t, kw__t.s_data_ptr);
+        if (!ptr_obj) return -1;
+        p->slots[o->slot] = PyLong_AsVoidPtr(ptr_obj);
+        Py_DECREF(ptr_obj);
+        if (PyErr_Occurred()) return -1;
+    }
+    return 0;
+}
+
+/* The tensor a view stands for in this call, keeping its owner alive. */
+static PyObject *view_tensor(PlanObject *p, int view, const kw_tensor *bound) {
+    if (p->fixed[view]) return Py_NewRef(p->fixed[view]);
+    const kw__py_buffer *b = &p->prog->buffers[p->prog->views[view].buffer];
+    PyObject *owner = b->source == KW__SRC_OUTPUT ? p->fresh[b->index] : p->args[p->prog->inputs[b->index].arg];
+    return kw__tensor_over(owner, bound);
+}
+
+static PyObject *make_returns(PlanObject *p) {
+    kw__program *prog = p->prog;
+    PyObject *res = PyTuple_New(prog->n_returns);
+    for (int r = 0; res && r < prog->n_returns; r++) {
+        const int v = prog->returns[r];
+        const kw__py_view *pv = &prog->views[v];
+        const kw__py_buffer *b = &prog->buffers[pv->buffer];
+        PyObject *t;
+        if (b->source == KW__SRC_CONST) {
+            t = Py_NewRef(p->fixed[v]);
+        } else {
+            const int out = b->source == KW__SRC_OUTPUT;
+            PyObject *owner = out ? p->fresh[b->index] : p->args[prog->inputs[b->index].arg];
+            kw_tensor bound = pv->t;
+            bound.data = (char *)p->slots[out ? prog->outputs[b->index].slot : prog->inputs[b->index].slot] + pv->offset;
+            t = p->whole[r] ? Py_NewRef(owner) : kw__tensor_over(owner, &bound);
+        }
+        if (!t) Py_CLEAR(res);
+        else PyTuple_SET_ITEM(res, r, t);
+    }
+    return res;
+}
+
+static PyObject *replay_failed(PlanObject *p, int rc) {
+    if (p->exc_type) {
+        PyErr_Restore(p->exc_type, p->exc_value, p->exc_tb);
+        p->exc_type = p->exc_value = p->exc_tb = NULL;
+        return NULL;
+    }
+    return kw__plan_error(rc, "replay failed: %s", kw_strerror(rc));
+}
+
+static PyObject *plan_call(PyObject *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    PlanObject *p = (PlanObject *)self;
+    kw__program *prog = p->prog;
+    const Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    if (!prog) return kw__plan_error(KW_ESTATE, "the plan was cleared");
+    if (nargs != prog->n_args || (kwnames && PyTuple_GET_SIZE(kwnames)))
+        return PyErr_Format(PyExc_TypeError, "the plan takes %d positional arguments (%zd given%s)", prog->n_args,
+                            nargs, kwnames && PyTuple_GET_SIZE(kwnames) ? ", and keywords" : "");
+    if (p->busy || replaying)
+        return kw__plan_error(KW_EBUSY, p->busy ? "the plan is already being replayed (by another thread, or "
+                                                  "this call comes from one of its own fallbacks)"
+                                                : "a plan cannot be called from another plan's fallback");
+    for (int i = 0; i < prog->n_inputs; i++)
+        if (bind_input(p, &prog->inputs[i], args[prog->inputs[i].arg])) return NULL;
+    kw_pool *pool = pool_get(p->n_threads);
+    if (!pool || make_outputs(p)) {
+        drop_fresh(p);
+        return NULL;
+    }
+    p->busy = 1;
+    p->args = args;
+    replaying = p;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = kw_plan_replay(p->plan, pool, p->slots);
+    Py_END_ALLOW_THREADS
+    replaying = NULL;
+    PyObject *res = rc ? replay_failed(p, rc) : make_returns(p);
+    p->busy = 0;
+    p->args = NULL;
+    drop_fresh(p);
+    return res;
+}
+
+/* ---- fallbacks ---------------------------------------------------------------------- */
+
+static int call_fallback(PlanObject *p, const kw__py_fallback *f, kw_tensor *views) {
+    const int n = f->n_reads + f->n_writes;
+    PyObject *reads = PyTuple_New(f->n_reads), *writes = PyTuple_New(f->n_writes), *r = NULL;
+    for (int e = 0; reads && writes && e < n; e++) {
+        PyObject *t = view_tensor(p, f->views[e], &views[f->cidx[e]]);
+        if (!t) goto done;
+        PyTuple_SET_ITEM(e < f->n_reads ? reads : writes, e < f->n_reads ? e : e - f->n_reads, t);
+    }
+    if (reads && writes) r = PyObject_CallFunctionObjArgs(f->fn, reads, writes, NULL);
+done:
+    Py_XDECREF(reads);
+    Py_XDECREF(writes);
+    if (r) {
+        Py_DECREF(r);
+        return 0;
+    }
+    if (!p->exc_type) PyErr_Fetch(&p->exc_type, &p->exc_value, &p->exc_tb);
+    PyErr_Clear();
+    return -1;
+}
+
+int kw__fallback_call(void *user, kw_tensor *views, int n) {
+    (void)n;
+    PlanObject *p = replaying;
+    PyGILState_STATE g = PyGILState_Ensure();
+    const int rc = call_fallback(p, &p->prog->fallbacks[(intptr_t)user], views);
+    PyGILState_Release(g);
+    return rc;
+}
+
+/* ---- creation ------------------------------------------------------------------------ */
+
+static int same_layout(const kw_tensor *a, const kw_tensor *b) {
+    if (a->dtype != b->dtype || a->ndim != b->ndim) return 0;
+    for (int d = 0; d < a->ndim; d++)
+        if (a->shape[d] != b->shape[d] || a->stride[d] != b->stride[d]) return 0;
+    return 1;
+}
+
+/* Views of constants and of the arena never move: their tensors are made once. */
+static int make_fixed(PlanObject *p, int v) {
+    const kw__py_view *pv = &p->prog->views[v];
+    const kw__py_buffer *b = &p->prog->buffers[pv->buffer];
+    if (p->fixed[v] || (b->source != KW__SRC_CONST && b->source != KW__SRC_ARENA)) return 0;
+    kw_tensor t = pv->t;
+    t.data = (char *)kw_plan_buffer_address(p->plan, pv->buffer) + pv->offset;
+    PyObject *owner = b->source == KW__SRC_CONST ? PyList_GET_ITEM(p->prog->constants, b->index) : p->memory;
+    p->fixed[v] = kw__tensor_over(owner, &t);
+    return p->fixed[v] ? 0 : -1;
+}
+
+static int prepare(PlanObject *p) {
+    kw__program *prog = p->prog;
+    p->slots = PyMem_Calloc((size_t)kw_plan_n_slots(p->plan) + 1, sizeof *p->slots);
+    p->fresh = PyMem_Calloc((size_t)prog->n_outputs + 1, sizeof *p->fresh);
+    p->fixed = PyMem_Calloc((size_t)prog->n_views + 1, sizeof *p->fixed);
+    p->whole = PyMem_Calloc((size_t)prog->n_returns + 1, 1);
+    if (!p->slots || !p->fresh || !p->fixed || !p->whole) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (int f = 0; f < prog->n_fallbacks; f++)
+        for (int e = 0; e < prog->fallbacks[f].n_reads + prog->fallbacks[f].n_writes; e++)
+            if (make_fixed(p, prog->fallbacks[f].views[e])) return -1;
+    for (int r = 0; r < prog->n_returns; r++) {
+        const kw__py_view *pv = &prog->views[prog->returns[r]];
+        const kw__py_buffer *b = &prog->buffers[pv->buffer];
+        if (make_fixed(p, prog->returns[r])) return -1;
+        if (b->source == KW__SRC_OUTPUT) p->whole[r] = !pv->offset && same_layout(&pv->t, &prog->outputs[b->index].t);
+        if (b->source == KW__SRC_INPUT) p->whole[r] = !pv->offset && same_layout(&pv->t, &prog->inputs[b->index].t);
+    }
+    return pool_get(p->n_threads) ? 0 : -1;
+}
+
+PyObject *kw__plan_new(kw_plan *plan, kw__program *prog, int n_threads) {
+    PyObject *memory = kw__memory_new(NULL, kw_plan_arena(plan), (Py_ssize_t)kw_plan_arena_bytes(plan), plan);
+    if (!memory) {
+        kw_plan_destroy(plan);
+        kw__program_free(prog);
+        return NULL;
+    }
+    PlanObject *p = (PlanObject *)kw__PlanType.tp_alloc(&kw__PlanType, 0);
+    if (!p) {
+        Py_DECREF(memory);
+        kw__program_free(prog);
+        return NULL;
+    }
+    p->vectorcall = plan_call;
+    p->memory = memory;
+    p->plan = plan;
+    p->prog = prog;
+    p->n_threads = n_threads;
+    if (prepare(p)) {
+        Py_DECREF(p);
+        return NULL;
+    }
+    return (PyObject *)p;
+}
+
+static int plan_traverse(PyObject *self, visitproc visit, void *arg) {
+    PlanObject *p = (PlanObject *)self;
+    Py_VISIT(p->dict);
+    Py_VISIT(p->memory);
+    for (int i = 0; p->fixed && p->prog && i < p->prog->n_views; i++) Py_VISIT(p->fixed[i]);
+    return kw__program_traverse(p->prog, visit, arg);
+}
+
+static int plan_clear(PyObject *self) {
+    PlanObject *p = (PlanObject *)self;
+    Py_CLEAR(p->dict);
+    for (int i = 0; p->fixed && p->prog && i < p->prog->n_views; i++) Py_CLEAR(p->fixed[i]);
+    kw__program *prog = p->prog;
+    p->prog = NULL;
+    kw__program_free(prog);
+    return 0;
+}
+
+static void plan_dealloc(PyObject *self) {
+    PlanObject *p = (PlanObject *)self;
+    PyObject_GC_UnTrack(self);
+    if (p->weakrefs) PyObject_ClearWeakRefs(self);
+    plan_clear(self);
+    Py_XDECREF(p->exc_type);
+    Py_XDECREF(p->exc_value);
+    Py_XDECREF(p->exc_tb);
+    PyMem_Free(p->slots);
+    PyMem_Free(p->fresh);
+    PyMem_Free(p->fixed);
+    PyMem_Free(p->whole);
+    Py_XDECREF(p->memory); /* the last reference destroys the kw_plan */
+    Py_TYPE(self)->tp_free(self);
+}
+
+/* ---- introspection -------------------------------------------------------------------- */
+
+static const char *source_name(int source) {
+    switch (source) {
+    case KW__SRC_INPUT: return "input";
+    case KW__SRC_OUTPUT: return "output buffer";
+    case KW__SRC_CONST: return "constant";
+    default: return "arena";
+    }
+}
+
+/* The Python side (arguments, returns) above the C listing. */
+static PyObject *plan_dump(PyObject *self, PyObject *unused) {
+    PlanObject *p = (PlanObject *)self;
+    if (!p->prog) return kw__plan_error(KW_ESTATE, "the plan was cleared");
+    kw__program *prog = p->prog;
+    PyObject *lines = PyList_New(0), *line = NULL;
+    if (!lines) return NULL;
+#define ADD(expr)                                                   \
+    if (!(line = (expr)) || PyList_Append(lines, line)) goto fail; \
+    Py_CLEAR(line);
+    ADD(PyUnicode_FromFormat("call: %d arguments, %d returns", prog->n_args, prog->n_returns));
+    for (int i = 0; i < prog->n_inputs; i++) {
+        const kw__py_input *in = &prog->inputs[i];
+        ADD(PyUnicode_FromFormat("  argument %d: %s '%U' %s %R strides %R -> slot %d", in->arg,
+                                 in->is_static ? "static input" : "input", in->name, kw_dtype_name(in->t.dtype),
+                                 in->shape_obj, in->stride_obj, in->slot));
+    }
+    for (int r = 0; r < prog->n_returns; r++) {
+        const kw__py_view *v = &prog->views[prog->returns[r]];
+        ADD(PyUnicode_FromFormat("  return %d: view %d of %s b%d + %zu%s", r, prog->returns[r],
+                                 source_name(prog->buffers[v->buffer].source), v->buffer, v->offset,
+                                 p->whole[r] ? " (the whole tensor)" : ""));
+    }
+    char *text = kw_plan_dump(p->plan);
+    if (!text) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    line = PyUnicode_FromString(text);
+    free(text);
+    if (!line || PyList_Append(lines, line)) goto fail;
+    Py_CLEAR(line);
+#undef ADD
+    PyObject *sep = PyUnicode_FromString("\n"), *res = sep ? PyUnicode_Join(sep, lines) : NULL;
+    Py_XDECREF(sep);
+    Py_DECREF(lines);
+    return res;
+fail:
+    Py_XDECREF(line);
+    Py_DECREF(lines);
+    return NULL;
+}
+
+static PyObject *plan_get_profile(PyObject *self, void *closure) {
+    PlanObject *p = (PlanObject *)self;
+    if (!kw_plan_profiling(p->plan)) Py_RETURN_NONE;
+    uint64_t runs;
+    const uint64_t *ns = kw_plan_profile(p->plan, &runs);
+    const int n = kw_plan_n_steps(p->plan);
+    PyObject *steps = PyList_New(n);
+    for (int i = 0; steps && i < n; i++) {
+        const double total_us = (double)ns[i] / 1e3;
+        PyObject *d = Py_BuildValue("{s:i,s:s,s:s,s:d,s:d}", "step", i, "op", kw_plan_step_name(p->plan, i), "label",
+                                    kw_plan_step_label(p->plan, i), "total_us", total_us, "mean_us",
+                                    runs ? total_us / (double)runs : 0.0);
+        if (!d) Py_CLEAR(steps);
+        else PyList_SET_ITEM(steps, i, d);
+    }
+    if (!steps) return NULL;
+    return Py_BuildValue("{s:K,s:N}", "replays", (unsigned long long)runs, "steps", steps);
+}
+
+static PyObject *plan_get_profiling(PyObject *self, void *closure) {
+    return PyBool_FromLong(kw_plan_profiling(((PlanObject *)self)->plan));
+}
+
+static int plan_set_profiling(PyObject *self, PyObject *value, void *closure) {
+    PlanObject *p = (PlanObject *)self;
+    const int on = value ? PyObject_IsTrue(value) : 0;
+    if (on < 0) return -1;
+    if (p->busy) {
+        kw__plan_error(KW_EBUSY, "profiling cannot change while the plan is replaying");
+        return -1;
+    }
+    kw_plan_set_profiling(p->plan, on);
+    return 0;
+}
+
+static PyObject *plan_get_int(PyObject *self, void *which) {
+    PlanObject *p = (PlanObject *)self;
+    switch ((intptr_t)which) {
+    case 0: return PyLong_FromLong(kw_plan_n_steps(p->plan));
+    case 1: return PyLong_FromLong(kw_plan_n_barriers(p->plan));
+    case 2: return PyLong_FromLong(kw_plan_n_threads(p->plan));
+    case 3: return PyLong_FromSize_t(kw_plan_arena_bytes(p->plan));
+    case 4: return PyLong_FromLong(p->prog ? p->prog->n_args : 0);
+    default: return PyLong_FromLong(p->prog ? p->prog->n_fallbacks : 0);
+    }
+}
+
+static PyObject *plan_repr(PyObject *self) {
+    PlanObject *p = (PlanObject *)self;
+    return PyUnicode_FromFormat("<kwker._C.Plan: %d steps, %d barriers, %d threads, arena %zu B>",
+                                kw_plan_n_steps(p->plan), kw_plan_n_barriers(p->plan), kw_plan_n_threads(p->plan),
+                                kw_plan_arena_bytes(p->plan));
+}
+
+static PyMethodDef plan_methods[] = {
+    {"dump", plan_dump, METH_NOARGS,
+     "dump() -> str: arguments and returns, then buffers (kind, bytes, arena offset, live range) and steps\n"
+     "(op, views, barriers, bytes read and written)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef plan_getset[] = {
+    {"profiling", plan_get_profiling, plan_set_profiling,
+     "Per-step timing on or off (setting it clears the counters). On, every step is followed by a barrier.", NULL},
+    {"profile", plan_get_profile, NULL,
+     "None when profiling is off, else {'replays': n, 'steps': [{'step', 'op', 'label', 'total_us', 'mean_us'}]}.",
+     NULL},
+    {"n_steps", plan_get_int, NULL, "Steps in the plan.", (void *)0},
+    {"n_barriers", plan_get_int, NULL, "Barriers one replay passes.", (void *)1},
+    {"n_threads", plan_get_int, NULL, "Threads a replay runs on.", (void *)2},
+    {"arena_bytes", plan_get_int, NULL, "Bytes of the arena (buffers and per-thread scratch).", (void *)3},
+    {"n_args", plan_get_int, NULL, "Positional arguments a call takes.", (void *)4},
+    {"n_fallbacks", plan_get_int, NULL, "Fallback (Python) steps.", (void *)5},
+    {"__dict__", PyObject_GenericGetDict, PyObject_GenericSetDict, NULL, NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+PyTypeObject kw__PlanType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kwker._C.Plan",
+    .tp_doc = "A replayable plan (from PlanBuilder.finish): plan(*tensors) -> tuple of tensors.",
+    .tp_basicsize = sizeof(PlanObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_vectorcall_offset = offsetof(PlanObject, vectorcall),
+    .tp_call = PyVectorcall_Call,
+    .tp_dictoffset = offsetof(PlanObject, dict),
+    .tp_weaklistoffset = offsetof(PlanObject, weakrefs),
+    .tp_dealloc = plan_dealloc,
+    .tp_traverse = plan_traverse,
+    .tp_clear = plan_clear,
+    .tp_repr = plan_repr,
+    .tp_methods = plan_methods,
+    .tp_getset = plan_getset,
+};

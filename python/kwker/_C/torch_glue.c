@@ -1,0 +1,231 @@
+/* PyTorch as the binding sees it: a module imported on first use, tensors read
+ * through their Python attributes, and tensors made over kwker's memory with
+ * torch.frombuffer on a small buffer-protocol object that keeps the memory's
+ * owner alive. */
+#include <stdarg.h>
+
+#include "kw_binding.h"
+
+kw__torch kw__t;
+PyObject *kw__PlanError;
+
+PyObject *kw__plan_error(int code, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    PyObject *msg = PyUnicode_FromFormatV(fmt, ap);
+    va_end(ap);
+    if (!msg) return NULL;
+    PyObject *exc = PyObject_CallOneArg(kw__PlanError, msg);
+    Py_DECREF(msg);
+    if (!exc) return NULL;
+    PyObject *code_obj = PyLong_FromLong(code);
+    if (code_obj && PyObject_SetAttrString(exc, "code", code_obj) == 0) PyErr_SetObject(kw__PlanError, exc);
+    Py_XDECREF(code_obj);
+    Py_DECREF(exc);
+    return NULL;
+}
+
+static int intern(PyObject **slot, const char *s) {
+    *slot = PyUnicode_InternFromString(s);
+    return *slot ? 0 : -1;
+}
+
+static int get_attr(PyObject **slot, PyObject *obj, const char *name) {
+    *slot = PyObject_GetAttrString(obj, name);
+    return *slot ? 0 : -1;
+}
+
+int kw__torch_init(void) {
+    if (kw__t.module) return 0;
+    PyObject *torch = PyImport_ImportModule("torch");
+    if (!torch) return -1;
+    kw__torch t = {.module = torch};
+    PyObject *tensor = NULL;
+    int rc = get_attr(&tensor, torch, "Tensor");
+    if (!rc && !PyType_Check(tensor)) {
+        PyErr_SetString(PyExc_TypeError, "torch.Tensor is not a type");
+        rc = -1;
+    }
+    t.tensor_type = (PyTypeObject *)tensor;
+    for (int i = 0; i < KW_DTYPE_COUNT && !rc; i++) rc = get_attr(&t.dtype[i], torch, kw_dtype_name((kw_dtype)i));
+    if (!rc) rc = get_attr(&t.empty_strided, torch, "empty_strided");
+    if (!rc) rc = get_attr(&t.frombuffer, torch, "frombuffer");
+    if (!rc) rc = get_attr(&t.get_num_threads, torch, "get_num_threads");
+    if (!rc && !(t.cpu = PyObject_CallMethod(torch, "device", "s", "cpu"))) rc = -1;
+    if (!rc && !(t.kw_dtype_device = Py_BuildValue("(ss)", "dtype", "device"))) rc = -1;
+    if (!rc) rc = intern(&t.s_dtype, "dtype") || intern(&t.s_shape, "shape") || intern(&t.s_stride, "stride") ||
+                  intern(&t.s_data_ptr, "data_ptr") || intern(&t.s_is_cpu, "is_cpu") ||
+                  intern(&t.s_as_strided, "as_strided") || intern(&t.s_storage_offset, "storage_offset");
+    if (rc) {
+        /* Partly filled: the references leak, once, on a broken torch install. */
+        Py_DECREF(torch);
+        return -1;
+    }
+    kw__t = t;
+    return 0;
+}
+
+int kw__dtype_from_py(PyObject *obj, kw_dtype *out) {
+    for (int i = 0; i < KW_DTYPE_COUNT; i++)
+        if (obj == kw__t.dtype[i] ||
+            (PyUnicode_Check(obj) && PyUnicode_CompareWithASCIIString(obj, kw_dtype_name((kw_dtype)i)) == 0)) {
+            *out = (kw_dtype)i;
+            return 0;
+        }
+    PyErr_Format(PyExc_TypeError, "dtype %R is not one kwker supports (float32, bfloat16, float16, int64, "
+                                  "int32, bool, uint8)", obj);
+    return -1;
+}
+
+int kw__int64_seq(PyObject *seq, int64_t *out, int max, const char *what) {
+    PyObject *fast = PySequence_Fast(seq, what);
+    if (!fast) return -1;
+    const Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    if (n > max) {
+        Py_DECREF(fast);
+        PyErr_Format(PyExc_ValueError, "%s: %zd entries, at most %d", what, n, max);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        out[i] = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(fast, i));
+        if (out[i] == -1 && PyErr_Occurred()) {
+            Py_DECREF(fast);
+            return -1;
+        }
+    }
+    Py_DECREF(fast);
+    return (int)n;
+}
+
+PyObject *kw__int64_tuple(const int64_t *v, int n) {
+    PyObject *t = PyTuple_New(n);
+    for (int i = 0; t && i < n; i++) {
+        PyObject *x = PyLong_FromLongLong(v[i]);
+        if (!x) {
+            Py_CLEAR(t);
+            break;
+        }
+        PyTuple_SET_ITEM(t, i, x);
+    }
+    return t;
+}
+
+int kw__tensor_read(PyObject *t, const char *what, kw_tensor *out) {
+    if (!PyObject_TypeCheck(t, kw__t.tensor_type)) {
+        PyErr_Format(PyExc_TypeError, "%s must be a torch.Tensor, not %.100s", what, Py_TYPE(t)->tp_name);
+        return -1;
+    }
+    PyObject *is_cpu = PyObject_GetAttr(t, kw__t.s_is_cpu);
+    if (!is_cpu) return -1;
+    Py_DECREF(is_cpu);
+    if (is_cpu != Py_True) {
+        kw__plan_error(KW_EINVAL, "%s must be a CPU tensor", what);
+        return -1;
+    }
+    PyObject *dtype = PyObject_GetAttr(t, kw__t.s_dtype);
+    if (!dtype) return -1;
+    const int bad = kw__dtype_from_py(dtype, &out->dtype);
+    Py_DECREF(dtype);
+    if (bad) return -1;
+    PyObject *shape = PyObject_GetAttr(t, kw__t.s_shape);
+    if (!shape) return -1;
+    out->ndim = kw__int64_seq(shape, out->shape, KW_MAX_DIMS, what);
+    Py_DECREF(shape);
+    if (out->ndim < 0) return -1;
+    PyObject *stride = PyObject_CallMethodNoArgs(t, kw__t.s_stride);
+    if (!stride) return -1;
+    const int n = kw__int64_seq(stride, out->stride, KW_MAX_DIMS, what);
+    Py_DECREF(stride);
+    if (n < 0) return -1;
+    PyObject *ptr = PyObject_CallMethodNoArgs(t, kw__t.s_data_ptr);
+    if (!ptr) return -1;
+    out->data = PyLong_AsVoidPtr(ptr);
+    Py_DECREF(ptr);
+    return out->data == NULL && PyErr_Occurred() ? -1 : 0;
+}
+
+int64_t kw__layout_extent(const kw_tensor *t) {
+    int64_t last = 0, span;
+    for (int d = 0; d < t->ndim; d++)
+        if (t->shape[d] == 0) return 0;
+    for (int d = 0; d < t->ndim; d++)
+        if (t->stride[d] < 0 || __builtin_mul_overflow(t->shape[d] - 1, t->stride[d], &span) ||
+            __builtin_add_overflow(last, span, &last))
+            return -1;
+    if (__builtin_mul_overflow(last + 1, (int64_t)kw_dtype_size(t->dtype), &last)) return -1;
+    return last;
+}
+
+/* ---- memory exported to torch.frombuffer ----------------------------------------- */
+
+typedef struct MemoryObject {
+    PyObject_HEAD
+    PyObject *owner;
+    void *ptr;
+    Py_ssize_t len;
+    kw_plan *plan;
+} MemoryObject;
+
+PyObject *kw__memory_new(PyObject *owner, void *ptr, Py_ssize_t len, kw_plan *plan) {
+    MemoryObject *m = PyObject_New(MemoryObject, &kw__MemoryType);
+    if (!m) return NULL;
+    m->owner = Py_XNewRef(owner);
+    m->ptr = ptr;
+    m->len = len;
+    m->plan = plan;
+    return (PyObject *)m;
+}
+
+static void memory_dealloc(PyObject *self) {
+    MemoryObject *m = (MemoryObject *)self;
+    Py_XDECREF(m->owner);
+    kw_plan_destroy(m->plan);
+    PyObject_Free(self);
+}
+
+static int memory_getbuffer(PyObject *self, Py_buffer *view, int flags) {
+    MemoryObject *m = (MemoryObject *)self;
+    return PyBuffer_FillInfo(view, self, m->ptr, m->len, 0, flags);
+}
+
+static PyBufferProcs memory_as_buffer = {.bf_getbuffer = memory_getbuffer};
+
+PyTypeObject kw__MemoryType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kwker._C._Memory",
+    .tp_doc = "Memory owned by a plan or a tensor, lent to torch.frombuffer.",
+    .tp_basicsize = sizeof(MemoryObject),
+    .tp_dealloc = memory_dealloc,
+    .tp_as_buffer = &memory_as_buffer,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+};
+
+static PyObject *empty_like_layout(const kw_tensor *t) {
+    PyObject *shape = kw__int64_tuple(t->shape, t->ndim), *stride = kw__int64_tuple(t->stride, t->ndim), *r = NULL;
+    if (shape && stride) {
+        PyObject *args[4] = {shape, stride, kw__t.dtype[t->dtype], kw__t.cpu};
+        r = PyObject_Vectorcall(kw__t.empty_strided, args, 2, kw__t.kw_dtype_device);
+    }
+    Py_XDECREF(shape);
+    Py_XDECREF(stride);
+    return r;
+}
+
+PyObject *kw__tensor_over(PyObject *owner, const kw_tensor *t) {
+    const int64_t extent = kw__layout_extent(t);
+    if (extent < 0) return kw__plan_error(KW_EINVAL, "a view with negative strides cannot be a torch tensor");
+    if (extent == 0) return empty_like_layout(t);
+    PyObject *mem = kw__memory_new(owner, t->data, (Py_ssize_t)extent, NULL);
+    if (!mem) return NULL;
+    PyObject *kwnames = PyTuple_Pack(1, kw__t.s_dtype);
+    PyObject *args[2] = {mem, kw__t.dtype[t->dtype]};
+    PyObject *flat = kwnames ? PyObject_Vectorcall(kw__t.frombuffer, args, 1, kwnames) : NULL;
+    Py_XDECREF(kwnames);
+    Py_DECREF(mem);
+    if (!flat) return NULL;
+    PyObject *shape = kw__int64_tuple(t->shape, t->ndim), *stride = kw__int64_tuple(t->stride, t->ndim), *r = NULL;
+    if (shape && stride) r = PyObject_CallMethodObjArgs(flat, kw__t.s_as_strided, shape, stride, NULL);
+    Py_XDECREF(shape);
+    Py_XDECREF(stride);
+    Py_DECREF(flat);
+    return r;
+}

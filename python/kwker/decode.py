@@ -1,0 +1,91 @@
+"""Decode steps: what makes a graph one, and the callable that replays it.
+
+A decode step is a CPU inference graph that writes static, non-parameter inputs
+in place (the cache's index_copy_ and the counter's add_ of transformers'
+StaticCache) at one query position. It is lowered to a plan and never given to
+Inductor.
+"""
+
+import torch
+
+from kwker.lower import lower_to_plan
+from kwker.rewrite import PackedWeight, pack_weights
+
+aten = torch.ops.aten
+
+
+def static_arg_indices(example_inputs) -> set[int]:
+    """Inputs whose memory must be the same on every call: parameters and the
+    tensors Dynamo marked static (module buffers, the KV cache)."""
+    return {
+        i
+        for i, t in enumerate(example_inputs)
+        if isinstance(t, torch.Tensor)
+        and (isinstance(t, torch.nn.Parameter) or getattr(t, "_dynamo_static_input_type", None) is not None)
+    }
+
+
+def classify_decode_step(gm: torch.fx.GraphModule, example_inputs) -> str | None:
+    """None if gm is a decode step, else why it is not."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    static = static_arg_indices(example_inputs)
+    writes = [n for n in gm.graph.nodes if n.op == "call_function" and _mutates_first_arg(n)]
+    cache_writes = [n for n in writes if n.target is aten.index_copy_.default]
+    if not cache_writes:
+        return "it writes no static cache"
+    for n in writes:
+        target = n.args[0]
+        if target.op != "placeholder":
+            return f"{n.name} writes an intermediate in place"
+        i = placeholders.index(target)
+        if i not in static or isinstance(example_inputs[i], torch.nn.Parameter):
+            return f"{n.name} writes {target.name}, which is not a static non-parameter input"
+    for n in cache_writes:
+        dim, src = n.args[1], n.args[3]
+        if src.meta["val"].shape[dim] != 1:
+            return f"{n.name} writes {src.meta['val'].shape[dim]} positions (prefill, not decode)"
+    return None
+
+
+def _mutates_first_arg(node) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    return bool(schema and schema.arguments and schema.arguments[0].alias_info and schema.arguments[0].alias_info.is_write)
+
+
+class DecodeStep:
+    """The plan, plus the one check a plan cannot make alone: a weight that kwker
+    packed (a bf16 copy, or q/k/v stacked) and that changed in place since is
+    packed again before the step runs."""
+
+    def __init__(self, plan, report, gm: torch.fx.GraphModule, example_inputs):
+        self.plan, self.report = plan, report
+        names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+        self.packed = [
+            (getattr(gm, p.attr), [names.index(s) for s in p.sources], list(p.versions))
+            for p in gm.meta.get("kwker_packed", [])
+        ]
+
+    def __call__(self, *args):
+        for packed, sources, versions in self.packed:
+            if any(args[i]._version != v for i, v in zip(sources, versions)):
+                _repack(packed, [args[i] for i in sources])
+                versions[:] = [args[i]._version for i in sources]
+        return self.plan(*args)
+
+
+def _repack(packed: torch.Tensor, weights: list[torch.Tensor]) -> None:
+    fresh = pack_weights(weights)
+    if fresh.dtype != packed.dtype:
+        raise RuntimeError(
+            "kwker: a weight changed in place and is no longer exactly representable in bfloat16, "
+            "so its compiled bfloat16 copy cannot be refreshed; call torch._dynamo.reset() and compile again"
+        )
+    packed.copy_(fresh)
+
+
+def compile_decode_step(gm: torch.fx.GraphModule, example_inputs) -> DecodeStep:
+    plan, report = lower_to_plan(gm, example_inputs, static_arg_indices(example_inputs))
+    return DecodeStep(plan, report, gm, example_inputs)
+
+
+__all__ = ["DecodeStep", "PackedWeight", "classify_decode_step", "compile_decode_step", "static_arg_indices"]

@@ -1,0 +1,373 @@
+"""Lowering a rewritten ATen graph into a replay plan (kwker._C.PlanBuilder).
+
+Every node's fake value gives its storage, strides and offset, so:
+- each storage becomes one buffer: a graph input (per-call, or static when its
+  address must not change: parameters, the KV cache), a constant (kwker's packed
+  weights, values folded at compile time), a fresh output, or an arena region;
+- a view op is no step at all, only another view of its input's buffer;
+- an in-place op writes into its input's own memory (the cache is never copied);
+- every other op is one native step, or a fallback step that calls PyTorch on
+  views of the plan's memory (named in the report).
+A graph the plan cannot express raises NotLowerable, and the caller takes
+another path.
+"""
+
+import operator
+from dataclasses import dataclass, field
+
+import torch
+from torch.fx import Node
+
+from kwker import _C
+from kwker.custom_ops import ops
+
+aten = torch.ops.aten
+P = _C.op_params()
+
+
+class NotLowerable(Exception):
+    """The graph has something a plan cannot express; the message says what."""
+
+
+@dataclass
+class LoweringReport:
+    native_steps: int = 0
+    fallback_ops: list[str] = field(default_factory=list)
+
+
+def storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+class _Lowering:
+    def __init__(self, gm: torch.fx.GraphModule, example_inputs, static_args: set[int]):
+        self.gm, self.example_inputs, self.static_args = gm, example_inputs, static_args
+        self.b = _C.PlanBuilder()
+        self.buffers: dict[int, tuple[int, int]] = {}  # storage -> (buffer id, element offset of its start)
+        self.views: dict[tuple, int] = {}
+        self.folded: dict[Node, torch.Tensor] = {}  # nodes evaluated at compile time
+        self.report = LoweringReport()
+        out_node = next(n for n in gm.graph.nodes if n.op == "output")
+        self.outputs = [a for a in _flat(out_node.args[0])]
+        self.output_storages = {storage_key(val(n)) for n in self.outputs if isinstance(n, Node)}
+
+    # ---- buffers and views --------------------------------------------------------
+
+    def declare_input(self, node: Node, index: int):
+        t = self.example_inputs[index]
+        if not isinstance(t, torch.Tensor):
+            raise NotLowerable(f"input {node.name} is a {type(t).__name__}, not a tensor")
+        if t.device.type != "cpu":
+            raise NotLowerable(f"input {node.name} is on {t.device}")
+        key = storage_key(val(node))
+        if key in self.buffers:
+            raise NotLowerable(f"inputs share storage ({node.name})")
+        if index in self.static_args:
+            buf = self.b.static_input(node.name, t, arg=index)
+        else:
+            buf = self.b.input(node.name, t.dtype, tuple(t.shape), tuple(t.stride()), arg=index)
+        self.buffers[key] = (buf, t.storage_offset())
+
+    def declare_constant(self, node: Node, tensor: torch.Tensor):
+        tensor = tensor.detach()
+        self.buffers[storage_key(val(node))] = (self.b.constant(tensor, node.name), tensor.storage_offset())
+        self.folded[node] = tensor
+
+    def new_storage(self, t: torch.Tensor, name: str):
+        """A buffer for storage an op creates: a fresh output if the graph returns it."""
+        key = storage_key(t)
+        if key in self.buffers:
+            return
+        nbytes = t.untyped_storage().nbytes()
+        if key in self.output_storages:
+            buf = self.b.output_buffer(name, t.dtype, (nbytes // t.element_size(),), (1,))
+        else:
+            buf = self.b.arena(nbytes, name)
+        self.buffers[key] = (buf, 0)
+
+    def view(self, t: torch.Tensor) -> int:
+        key = storage_key(t)
+        if key not in self.buffers:
+            raise NotLowerable("a tensor whose storage no step produced")
+        buf, base = self.buffers[key]
+        offset = (t.storage_offset() - base) * t.element_size()
+        vkey = (buf, t.dtype, tuple(t.shape), tuple(t.stride()), offset)
+        if vkey not in self.views:
+            self.views[vkey] = self.b.view(buf, t.dtype, tuple(t.shape), tuple(t.stride()), offset)
+        return self.views[vkey]
+
+    def arg_view(self, a) -> int | None:
+        return None if a is None else self.view(val(a))
+
+    # ---- steps --------------------------------------------------------------------
+
+    def op(self, node: Node, name: str, views, ip=(), fp=()):
+        self.b.op(name, list(views), list(ip), list(fp), label=node.name)
+        self.report.native_steps += 1
+
+    def lower_node(self, node: Node):
+        if node.op == "placeholder":
+            self.declare_input(node, self.placeholder_index[node])
+        elif node.op == "get_attr":
+            self.declare_constant(node, getattr(self.gm, node.target))
+        elif node.op == "call_function":
+            self.lower_call(node)
+
+    def lower_call(self, node: Node):
+        if node.target is operator.getitem:
+            return  # the producing op declared every output it writes
+        inputs = [a for a in _flat((node.args, node.kwargs)) if isinstance(a, Node)]
+        if all(a in self.folded for a in inputs):
+            return self.fold(node)
+        vals = _tensor_vals(node)
+        if _is_view_op(node) or (len(vals) == 1 and storage_key(vals[0]) in self.buffers and not _is_inplace_op(node)):
+            return  # an alias (a view, or _unsafe_view): another view of its input's buffer
+        if _is_inplace_op(node):
+            if node.target not in INPLACE_LOWERINGS:
+                raise NotLowerable(f"in-place op {node.target} has no native step")
+            return INPLACE_LOWERINGS[node.target](self, node)
+        for i, t in enumerate(vals):
+            self.new_storage(t, node.name if len(vals) == 1 else f"{node.name}.{i}")
+        lowering = LOWERINGS.get(node.target)
+        if lowering is None or lowering(self, node) is False:
+            self.fallback(node)
+
+    def fold(self, node: Node):
+        args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda a: self.folded[a])
+        with torch._subclasses.fake_tensor.unset_fake_temporarily():
+            result = node.target(*args, **kwargs)
+        if not isinstance(result, torch.Tensor):
+            raise NotLowerable(f"{node.name} folds to a {type(result).__name__}")
+        self.declare_constant(node, result.contiguous() if _is_view_op(node) else result)
+
+    def fallback(self, node: Node):
+        inputs = [a for a in _flat((node.args, node.kwargs)) if isinstance(a, Node)]
+        reads = [self.view(val(a)) for a in inputs]
+        writes = [self.view(t) for t in _tensor_vals(node)]
+        self.b.fallback(_FallbackCall(node, inputs), reads, writes, label=node.name)
+        self.report.fallback_ops.append(str(node.target))
+
+    def run(self):
+        self.placeholder_index = {n: i for i, n in enumerate(n for n in self.gm.graph.nodes if n.op == "placeholder")}
+        for node in self.gm.graph.nodes:
+            self.lower_node(node)
+        for out in self.outputs:
+            if not isinstance(out, Node):
+                raise NotLowerable("the graph returns a non-tensor")
+            self.b.output(self.view(val(out)))
+        return self.b.finish(torch.get_num_threads(), n_args=len(self.example_inputs))
+
+
+class _FallbackCall:
+    """Calls a node's ATen op on the plan's memory and writes the result into it."""
+
+    def __init__(self, node: Node, inputs: list[Node]):
+        self.target, self.name = node.target, node.name
+        position = {n: i for i, n in enumerate(inputs)}
+        self.args = torch.fx.node.map_arg((node.args, node.kwargs), lambda a: _Read(position[a]))
+
+    def __call__(self, reads, writes):
+        args, kwargs = _substitute(self.args, reads)
+        result = self.target(*args, **kwargs)
+        for dst, src in zip(writes, _flat(result)):
+            dst.copy_(src)
+
+    def __repr__(self):
+        return f"fallback({self.name}: {self.target})"
+
+
+@dataclass(frozen=True)
+class _Read:
+    index: int
+
+
+def _substitute(tree, reads):
+    if isinstance(tree, _Read):
+        return reads[tree.index]
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_substitute(x, reads) for x in tree)
+    if isinstance(tree, dict):
+        return {k: _substitute(v, reads) for k, v in tree.items()}
+    return tree
+
+
+def val(node: Node) -> torch.Tensor:
+    return node.meta["val"]
+
+
+def _flat(tree):
+    if isinstance(tree, (list, tuple)):
+        for x in tree:
+            yield from _flat(x)
+    elif isinstance(tree, dict):
+        for x in tree.values():
+            yield from _flat(x)
+    else:
+        yield tree
+
+
+def _tensor_vals(node: Node) -> list[torch.Tensor]:
+    return [t for t in _flat(node.meta.get("val")) if isinstance(t, torch.Tensor)]
+
+
+def _returns_alias(node: Node, write: bool) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    if schema is None or not schema.returns:
+        return False
+    alias = schema.returns[0].alias_info
+    return alias is not None and alias.is_write == write
+
+
+def _is_view_op(node: Node) -> bool:
+    return _returns_alias(node, write=False)
+
+
+def _is_inplace_op(node: Node) -> bool:
+    return _returns_alias(node, write=True)
+
+
+# ---- native steps, one function per op --------------------------------------------------
+# Each takes the lowering and the node, emits steps, and returns False to ask for a
+# fallback instead (a case the native op does not cover).
+
+
+def _lower_linear(lw: _Lowering, node: Node):
+    x, w, bias = node.args
+    lw.op(node, "linear", [lw.view(val(node)), lw.view(val(x)), lw.view(val(w)), lw.arg_view(bias)])
+
+
+def _lower_linear_n(lw: _Lowering, node: Node):
+    x, w, bias, sizes = node.args
+    outs = [lw.view(t) for t in val(node)]
+    if len(outs) > 4:
+        return False
+    outs += [None] * (4 - len(outs))
+    lw.op(node, "linear_multi", [*outs, lw.view(val(x)), lw.view(val(w)), lw.arg_view(bias)])
+
+
+def _norm_flags(gemma: bool) -> list[int]:
+    return [P["NORM_GEMMA"] if gemma else 0]
+
+
+def _lower_rms_norm(lw: _Lowering, node: Node):
+    x, w, eps, gemma = node.args
+    lw.op(node, "rms_norm", [lw.view(val(node)), lw.view(val(x)), lw.view(val(w))], _norm_flags(gemma), [eps])
+
+
+def _lower_add_rms_norm(lw: _Lowering, node: Node):
+    x, y, w, eps, gemma = node.args
+    residual, normed = val(node)
+    views = [lw.view(normed), lw.view(residual), lw.view(val(x)), lw.view(val(y)), lw.view(val(w))]
+    lw.op(node, "add_rms_norm", views, _norm_flags(gemma), [eps])
+
+
+def _lower_rotary(lw: _Lowering, node: Node):
+    x, cos, sin = node.args
+    views = [lw.view(val(node)), lw.view(val(x)), lw.view(val(cos)), lw.view(val(sin))]
+    lw.op(node, "rotary", views, [P["ROPE_HALF"], 0])
+
+
+def _lower_silu_mul(lw: _Lowering, node: Node):
+    gate, up = node.args
+    lw.op(node, "silu_mul", [lw.view(val(node)), lw.view(val(gate)), lw.view(val(up))])
+
+
+def _lower_decode_attention(lw: _Lowering, node: Node):
+    q, k, v, mask, scale = node.args
+    views = [lw.view(val(node)), lw.view(val(q)), lw.view(val(k)), lw.view(val(v)), lw.arg_view(mask)]
+    lw.op(node, "attention", views, [], [scale])
+
+
+def _lower_embedding(lw: _Lowering, node: Node):
+    table, ids = node.args[:2]
+    lw.op(node, "embedding", [lw.view(val(node)), lw.view(val(ids)), lw.view(val(table))])
+
+
+def _binary(name):
+    def lower(lw: _Lowering, node: Node):
+        a, b = node.args[:2]
+        if node.kwargs.get("alpha", 1) != 1 or not isinstance(a, Node):
+            return False
+        y = lw.view(val(node))
+        if isinstance(b, Node):
+            lw.op(node, "binary", [y, lw.view(val(a)), lw.view(val(b))], [P[name]], [0.0])
+        elif isinstance(b, (int, float)) and not isinstance(b, bool):
+            lw.op(node, "binary", [y, lw.view(val(a)), None], [P[name]], [float(b)])
+        else:
+            return False
+
+    return lower
+
+
+def _lower_neg(lw: _Lowering, node: Node):
+    lw.op(node, "binary", [lw.view(val(node)), lw.view(val(node.args[0])), None], [P["BINARY_MUL"]], [-1.0])
+
+
+def _lower_copy(lw: _Lowering, node: Node):
+    """_to_copy / clone: a strided copy with dtype conversion."""
+    if set(node.kwargs) - {"dtype", "device", "layout", "memory_format", "pin_memory"}:
+        return False
+    lw.op(node, "convert", [lw.view(val(node)), lw.view(val(node.args[0]))])
+
+
+def _lower_cat(lw: _Lowering, node: Node):
+    """One copy per input into its slice of the output."""
+    tensors = node.args[0]
+    out = val(node)
+    dim = (node.args[1] if len(node.args) > 1 else 0) % out.dim()
+    start = 0
+    for t in tensors:
+        piece = out.narrow(dim, start, val(t).shape[dim])
+        lw.op(node, "convert", [lw.view(piece), lw.view(val(t))])
+        start += val(t).shape[dim]
+
+
+def _lower_kv_write(lw: _Lowering, node: Node):
+    cache, dim, pos, src = node.args
+    if dim % val(cache).dim() != 2:
+        raise NotLowerable(f"{node.name}: index_copy_ along dim {dim}, not the cache's sequence dim 2")
+    lw.op(node, "kv_write", [lw.view(val(cache)), lw.view(val(src)), lw.view(val(pos))])
+
+
+def _lower_add_inplace(lw: _Lowering, node: Node):
+    a, b = node.args[:2]
+    if node.kwargs.get("alpha", 1) != 1:
+        raise NotLowerable(f"{node.name}: add_ with alpha")
+    y = lw.view(val(a))
+    if isinstance(b, Node):
+        lw.op(node, "binary", [y, y, lw.view(val(b))], [P["BINARY_ADD"]], [0.0])
+    else:
+        lw.op(node, "binary", [y, y, None], [P["BINARY_ADD"]], [float(b)])
+
+
+LOWERINGS = {
+    ops.linear.default: _lower_linear,
+    ops.linear_n.default: _lower_linear_n,
+    ops.rms_norm.default: _lower_rms_norm,
+    ops.add_rms_norm.default: _lower_add_rms_norm,
+    ops.rotary.default: _lower_rotary,
+    ops.silu_mul.default: _lower_silu_mul,
+    ops.decode_attention.default: _lower_decode_attention,
+    aten.embedding.default: _lower_embedding,
+    aten.add.Tensor: _binary("BINARY_ADD"),
+    aten.sub.Tensor: _binary("BINARY_SUB"),
+    aten.mul.Tensor: _binary("BINARY_MUL"),
+    aten.div.Tensor: _binary("BINARY_DIV"),
+    aten.neg.default: _lower_neg,
+    aten._to_copy.default: _lower_copy,
+    aten.clone.default: _lower_copy,
+    aten.cat.default: _lower_cat,
+}
+
+INPLACE_LOWERINGS = {
+    aten.index_copy_.default: _lower_kv_write,
+    aten.add_.Tensor: _lower_add_inplace,
+}
+
+
+def lower_to_plan(gm: torch.fx.GraphModule, example_inputs, static_args: set[int]):
+    """A Plan that, called with Dynamo's flat inputs, does what gm does.
+    static_args: indices of inputs whose address must stay the same (checked each call)."""
+    lowering = _Lowering(gm, example_inputs, static_args)
+    plan = lowering.run()
+    return plan, lowering.report
