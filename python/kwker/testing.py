@@ -15,7 +15,11 @@ SMALL_CONFIGS = {
     "qwen3": ("Qwen3Config", {"head_dim": 16}),
     "mistral": ("MistralConfig", {"sliding_window": None}),
     "phi3": ("Phi3Config", {"pad_token_id": 0}),
-    "gemma3": ("Gemma3TextConfig", {"head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 512}),
+    # Full attention in every layer: transformers' sliding-window cache layer keeps
+    # a Python int that Dynamo guards on, so it recompiles at every step whatever
+    # the backend.
+    "gemma3": ("Gemma3TextConfig", {"head_dim": 16, "query_pre_attn_scalar": 16,
+                                    "layer_types": ["full_attention", "full_attention"]}),
     "olmo2": ("Olmo2Config", {}),
 }
 

@@ -33,7 +33,6 @@ void kw__program_free(kw__program *p) {
         Py_XDECREF(p->fallbacks[i].fn);
         Py_XDECREF(p->fallbacks[i].label);
         PyMem_Free(p->fallbacks[i].views);
-        PyMem_Free(p->fallbacks[i].cidx);
     }
     Py_XDECREF(p->constants);
     PyMem_Free(p->buffers);
@@ -368,8 +367,7 @@ static int check_torch_view(BuilderObject *self, int view, const char *what) {
 
 /* The C step gets each view once, with the union of its accesses; the Python
  * function gets reads and writes as given (a view in both is one tensor). */
-static int fallback_views(BuilderObject *self, const int *ids, int n_reads, int n, int *unique, char *access,
-                          int *cidx) {
+static int fallback_views(BuilderObject *self, const int *ids, int n_reads, int n, int *unique, char *access) {
     int n_unique = 0;
     for (int i = 0; i < n; i++) {
         if (check_torch_view(self, ids[i], "fallback")) return -1;
@@ -382,7 +380,6 @@ static int fallback_views(BuilderObject *self, const int *ids, int n_reads, int 
         } else if (access[j] != a) {
             access[j] = KW_MODIFY;
         }
-        cidx[i] = j;
     }
     return n_unique;
 }
@@ -396,7 +393,7 @@ static PyObject *builder_fallback(PyObject *self_, PyObject *args, PyObject *kw)
     if (!PyCallable_Check(fn)) return PyErr_Format(PyExc_TypeError, "fallback: fn must be callable");
     kw__program *prog = self->prog;
     PyObject *reads = PySequence_Fast(reads_obj, "fallback reads"), *writes = NULL;
-    int *ids = NULL, *unique = NULL, *cidx = NULL;
+    int *ids = NULL, *unique = NULL;
     char *access = NULL;
     PyObject *result = NULL;
     if (!reads || !(writes = PySequence_Fast(writes_obj, "fallback writes"))) goto done;
@@ -404,15 +401,14 @@ static PyObject *builder_fallback(PyObject *self_, PyObject *args, PyObject *kw)
     ids = PyMem_Malloc(sizeof(int) * (size_t)(n + 1));
     unique = PyMem_Malloc(sizeof(int) * (size_t)(n + 1));
     access = PyMem_Malloc((size_t)n + 1);
-    cidx = PyMem_Malloc(sizeof(int) * (size_t)(n + 1));
-    if (!ids || !unique || !access || !cidx) {
+    if (!ids || !unique || !access) {
         PyErr_NoMemory();
         goto done;
     }
     if (parse_view_ids(reads, ids, n_reads, 0, "fallback reads") < 0 ||
         parse_view_ids(writes, ids + n_reads, n - n_reads, 0, "fallback writes") < 0)
         goto done;
-    const int n_unique = fallback_views(self, ids, n_reads, n, unique, access, cidx);
+    const int n_unique = fallback_views(self, ids, n_reads, n, unique, access);
     if (n_unique < 0 || RESERVE(prog, fallbacks)) goto done;
     if (label == Py_None) {
         label = PyObject_GetAttrString(fn, "__qualname__");
@@ -433,8 +429,8 @@ static PyObject *builder_fallback(PyObject *self_, PyObject *args, PyObject *kw)
         goto done;
     }
     prog->fallbacks[prog->n_fallbacks++] = (kw__py_fallback){
-        .fn = Py_NewRef(fn), .label = label, .n_reads = n_reads, .n_writes = n - n_reads, .views = ids, .cidx = cidx};
-    ids = cidx = NULL;
+        .fn = Py_NewRef(fn), .label = label, .n_reads = n_reads, .n_writes = n - n_reads, .views = ids};
+    ids = NULL;
     if (label_step(self, step, label)) goto done;
     result = PyLong_FromLong(step);
 done:
@@ -443,7 +439,6 @@ done:
     PyMem_Free(ids);
     PyMem_Free(unique);
     PyMem_Free(access);
-    PyMem_Free(cidx);
     return result;
 }
 

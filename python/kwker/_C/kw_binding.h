@@ -88,7 +88,6 @@ typedef struct kw__py_fallback {
     PyObject *fn, *label;
     int n_reads, n_writes;
     int *views; /* view ids: reads then writes */
-    int *cidx;  /* for each, its index among the C step's (deduplicated) views */
 } kw__py_fallback;
 
 typedef struct kw__py_return {

@@ -26,10 +26,26 @@ typedef struct PlanObject {
     void **slots;           /* this call's pointers, by slot */
     PyObject **fresh;       /* this call's output tensors, by output */
     PyObject **fixed;       /* by view: a tensor made once (constant and arena views) */
-    unsigned char *whole;   /* by return: the view is its tensor entire */
+    struct kw__make *make;  /* by view: how a returned or fallback view becomes a tensor */
+    int n_make;
     PyObject *const *args;  /* this call's arguments */
     PyObject *exc_type, *exc_value, *exc_tb; /* a fallback's exception */
 } PlanObject;
+
+/* How a view becomes a torch tensor for a return or a fallback. */
+typedef enum make_kind {
+    MAKE_UNUSED,
+    MAKE_FIXED,      /* a view of a constant or of the arena: made once */
+    MAKE_WHOLE,      /* the input or output tensor itself */
+    MAKE_AS_STRIDED, /* tensor.as_strided(shape, stride, storage_offset + offset) */
+    MAKE_OVER,       /* a tensor over the bytes (another dtype, or an odd offset) */
+} make_kind;
+
+typedef struct kw__make {
+    make_kind kind;
+    Py_ssize_t offset; /* elements, MAKE_AS_STRIDED */
+    PyObject *shape, *stride;
+} kw__make;
 
 /* The plan replaying on this thread: fallbacks find their plan here, and a
  * plan called from a fallback is refused (its pool would wait on itself). */
@@ -157,31 +173,44 @@ static int make_outputs(PlanObject *p) {
     return 0;
 }
 
-/* The tensor a view stands for in this call, keeping its owner alive. */
-static PyObject *view_tensor(PlanObject *p, int view, const kw_tensor *bound) {
-    if (p->fixed[view]) return Py_NewRef(p->fixed[view]);
-    const kw__py_buffer *b = &p->prog->buffers[p->prog->views[view].buffer];
-    PyObject *owner = b->source == KW__SRC_OUTPUT ? p->fresh[b->index] : p->args[p->prog->inputs[b->index].arg];
-    return kw__tensor_over(owner, bound);
+/* t.as_strided(shape, stride, t.storage_offset() + offset): the result shares
+ * t's storage, as the graph's own view would. A fresh output's offset is 0. */
+static PyObject *as_strided(PyObject *t, const kw__make *m, int is_output) {
+    Py_ssize_t base = 0;
+    if (!is_output) {
+        PyObject *o = PyObject_CallMethodNoArgs(t, kw__t.s_storage_offset);
+        if (!o) return NULL;
+        base = PyLong_AsSsize_t(o);
+        Py_DECREF(o);
+        if (base == -1 && PyErr_Occurred()) return NULL;
+    }
+    PyObject *offset = PyLong_FromSsize_t(base + m->offset);
+    if (!offset) return NULL;
+    PyObject *res = PyObject_CallMethodObjArgs(t, kw__t.s_as_strided, m->shape, m->stride, offset, NULL);
+    Py_DECREF(offset);
+    return res;
+}
+
+/* The tensor view v stands for in this call, keeping its memory's owner alive. */
+static PyObject *view_tensor(PlanObject *p, int v) {
+    const kw__program *prog = p->prog;
+    const kw__make *m = &p->make[v];
+    if (m->kind == MAKE_FIXED) return Py_NewRef(p->fixed[v]);
+    const kw__py_view *pv = &prog->views[v];
+    const kw__py_buffer *b = &prog->buffers[pv->buffer];
+    const int out = b->source == KW__SRC_OUTPUT;
+    PyObject *owner = out ? p->fresh[b->index] : p->args[prog->inputs[b->index].arg];
+    if (m->kind == MAKE_WHOLE) return Py_NewRef(owner);
+    if (m->kind == MAKE_AS_STRIDED) return as_strided(owner, m, out);
+    kw_tensor bound = pv->t;
+    bound.data = (char *)p->slots[out ? prog->outputs[b->index].slot : prog->inputs[b->index].slot] + pv->offset;
+    return kw__tensor_over(owner, &bound);
 }
 
 static PyObject *make_returns(PlanObject *p) {
-    kw__program *prog = p->prog;
-    PyObject *res = PyTuple_New(prog->n_returns);
-    for (int r = 0; res && r < prog->n_returns; r++) {
-        const int v = prog->returns[r];
-        const kw__py_view *pv = &prog->views[v];
-        const kw__py_buffer *b = &prog->buffers[pv->buffer];
-        PyObject *t;
-        if (b->source == KW__SRC_CONST) {
-            t = Py_NewRef(p->fixed[v]);
-        } else {
-            const int out = b->source == KW__SRC_OUTPUT;
-            PyObject *owner = out ? p->fresh[b->index] : p->args[prog->inputs[b->index].arg];
-            kw_tensor bound = pv->t;
-            bound.data = (char *)p->slots[out ? prog->outputs[b->index].slot : prog->inputs[b->index].slot] + pv->offset;
-            t = p->whole[r] ? Py_NewRef(owner) : kw__tensor_over(owner, &bound);
-        }
+    PyObject *res = PyTuple_New(p->prog->n_returns);
+    for (int r = 0; res && r < p->prog->n_returns; r++) {
+        PyObject *t = view_tensor(p, p->prog->returns[r]);
         if (!t) Py_CLEAR(res);
         else PyTuple_SET_ITEM(res, r, t);
     }
@@ -233,11 +262,11 @@ static PyObject *plan_call(PyObject *self, PyObject *const *args, size_t nargsf,
 
 /* ---- fallbacks ---------------------------------------------------------------------- */
 
-static int call_fallback(PlanObject *p, const kw__py_fallback *f, kw_tensor *views) {
+static int call_fallback(PlanObject *p, const kw__py_fallback *f) {
     const int n = f->n_reads + f->n_writes;
     PyObject *reads = PyTuple_New(f->n_reads), *writes = PyTuple_New(f->n_writes), *r = NULL;
     for (int e = 0; reads && writes && e < n; e++) {
-        PyObject *t = view_tensor(p, f->views[e], &views[f->cidx[e]]);
+        PyObject *t = view_tensor(p, f->views[e]);
         if (!t) goto done;
         PyTuple_SET_ITEM(e < f->n_reads ? reads : writes, e < f->n_reads ? e : e - f->n_reads, t);
     }
@@ -254,11 +283,12 @@ done:
     return -1;
 }
 
+/* The tensors come from the plan's own tables (the same memory as `views`). */
 int kw__fallback_call(void *user, kw_tensor *views, int n) {
-    (void)n;
+    (void)views, (void)n;
     PlanObject *p = replaying;
     PyGILState_STATE g = PyGILState_Ensure();
-    const int rc = call_fallback(p, &p->prog->fallbacks[(intptr_t)user], views);
+    const int rc = call_fallback(p, &p->prog->fallbacks[(intptr_t)user]);
     PyGILState_Release(g);
     return rc;
 }
@@ -284,26 +314,49 @@ static int make_fixed(PlanObject *p, int v) {
     return p->fixed[v] ? 0 : -1;
 }
 
+/* Decides once how view v becomes a tensor on each call. */
+static int plan_view(PlanObject *p, int v) {
+    const kw__program *prog = p->prog;
+    const kw__py_view *pv = &prog->views[v];
+    const kw__py_buffer *b = &prog->buffers[pv->buffer];
+    kw__make *m = &p->make[v];
+    if (m->kind != MAKE_UNUSED) return 0;
+    if (b->source != KW__SRC_OUTPUT && b->source != KW__SRC_INPUT) {
+        m->kind = MAKE_FIXED;
+        return make_fixed(p, v);
+    }
+    const kw_tensor *whole = b->source == KW__SRC_OUTPUT ? &prog->outputs[b->index].t : &prog->inputs[b->index].t;
+    const size_t es = kw_dtype_size(pv->t.dtype);
+    if (!pv->offset && same_layout(&pv->t, whole)) {
+        m->kind = MAKE_WHOLE;
+    } else if (pv->t.dtype == whole->dtype && pv->offset % es == 0) {
+        m->kind = MAKE_AS_STRIDED;
+        m->offset = (Py_ssize_t)(pv->offset / es);
+        m->shape = kw__int64_tuple(pv->t.shape, pv->t.ndim);
+        m->stride = kw__int64_tuple(pv->t.stride, pv->t.ndim);
+        if (!m->shape || !m->stride) return -1;
+    } else {
+        m->kind = MAKE_OVER;
+    }
+    return 0;
+}
+
 static int prepare(PlanObject *p) {
     kw__program *prog = p->prog;
     p->slots = PyMem_Calloc((size_t)kw_plan_n_slots(p->plan) + 1, sizeof *p->slots);
     p->fresh = PyMem_Calloc((size_t)prog->n_outputs + 1, sizeof *p->fresh);
     p->fixed = PyMem_Calloc((size_t)prog->n_views + 1, sizeof *p->fixed);
-    p->whole = PyMem_Calloc((size_t)prog->n_returns + 1, 1);
-    if (!p->slots || !p->fresh || !p->fixed || !p->whole) {
+    p->make = PyMem_Calloc((size_t)prog->n_views + 1, sizeof *p->make);
+    if (!p->slots || !p->fresh || !p->fixed || !p->make) {
         PyErr_NoMemory();
         return -1;
     }
+    p->n_make = prog->n_views;
     for (int f = 0; f < prog->n_fallbacks; f++)
         for (int e = 0; e < prog->fallbacks[f].n_reads + prog->fallbacks[f].n_writes; e++)
-            if (make_fixed(p, prog->fallbacks[f].views[e])) return -1;
-    for (int r = 0; r < prog->n_returns; r++) {
-        const kw__py_view *pv = &prog->views[prog->returns[r]];
-        const kw__py_buffer *b = &prog->buffers[pv->buffer];
-        if (make_fixed(p, prog->returns[r])) return -1;
-        if (b->source == KW__SRC_OUTPUT) p->whole[r] = !pv->offset && same_layout(&pv->t, &prog->outputs[b->index].t);
-        if (b->source == KW__SRC_INPUT) p->whole[r] = !pv->offset && same_layout(&pv->t, &prog->inputs[b->index].t);
-    }
+            if (plan_view(p, prog->fallbacks[f].views[e])) return -1;
+    for (int r = 0; r < prog->n_returns; r++)
+        if (plan_view(p, prog->returns[r])) return -1;
     return pool_get(p->n_threads) ? 0 : -1;
 }
 
@@ -361,7 +414,11 @@ static void plan_dealloc(PyObject *self) {
     PyMem_Free(p->slots);
     PyMem_Free(p->fresh);
     PyMem_Free(p->fixed);
-    PyMem_Free(p->whole);
+    for (int v = 0; p->make && v < p->n_make; v++) {
+        Py_XDECREF(p->make[v].shape);
+        Py_XDECREF(p->make[v].stride);
+    }
+    PyMem_Free(p->make);
     Py_XDECREF(p->memory); /* the last reference destroys the kw_plan */
     Py_TYPE(self)->tp_free(self);
 }
@@ -390,15 +447,18 @@ static PyObject *plan_dump(PyObject *self, PyObject *unused) {
     ADD(PyUnicode_FromFormat("call: %d arguments, %d returns", prog->n_args, prog->n_returns));
     for (int i = 0; i < prog->n_inputs; i++) {
         const kw__py_input *in = &prog->inputs[i];
-        ADD(PyUnicode_FromFormat("  argument %d: %s '%U' %s %R strides %R -> slot %d", in->arg,
+        ADD(PyUnicode_FromFormat("  argument %d: %s '%U' %s %R strides %R -> slot %d%s", in->arg,
                                  in->is_static ? "static input" : "input", in->name, kw_dtype_name(in->t.dtype),
-                                 in->shape_obj, in->stride_obj, in->slot));
+                                 in->shape_obj, in->stride_obj, in->slot,
+                                 in->is_static && !in->check_layout ? " (only its address is checked)" : ""));
     }
     for (int r = 0; r < prog->n_returns; r++) {
         const kw__py_view *v = &prog->views[prog->returns[r]];
         ADD(PyUnicode_FromFormat("  return %d: view %d of %s b%d + %zu%s", r, prog->returns[r],
                                  source_name(prog->buffers[v->buffer].source), v->buffer, v->offset,
-                                 p->whole[r] ? " (the whole tensor)" : ""));
+                                 p->make[prog->returns[r]].kind == MAKE_WHOLE        ? " (the tensor itself)"
+                                 : p->make[prog->returns[r]].kind == MAKE_AS_STRIDED ? " (as_strided)"
+                                                                                     : ""));
     }
     char *text = kw_plan_dump(p->plan);
     if (!text) {

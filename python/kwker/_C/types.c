@@ -1,6 +1,5 @@
 /* The binding's types and its exception, added to kwker._C. */
 #include "kw_binding.h"
-#include "kw_ops.h"
 
 static int add_type(PyObject *module, PyTypeObject *type, const char *name) {
     if (PyType_Ready(type) < 0) return -1;
@@ -22,11 +21,6 @@ int kw__module_add_types(PyObject *module) {
     if (PyModule_AddIntConstant(module, #id, code) < 0) return -1;
     KW_ERRORS(KW__ADD_CODE)
 #undef KW__ADD_CODE
-    /* The binary op's ip[0]: kwker._C.BINARY_ADD, ... */
-#define KW__ADD_BINARY(id, name) \
-    if (PyModule_AddIntConstant(module, "BINARY_" #id, KW_BINARY_##id) < 0) return -1;
-    KW_BINARY_OPS(KW__ADD_BINARY)
-#undef KW__ADD_BINARY
     if (PyType_Ready(&kw__MemoryType) < 0) return -1;
     return add_type(module, &kw__PlanBuilderType, "PlanBuilder") || add_type(module, &kw__PlanType, "Plan") ? -1 : 0;
 }

@@ -1,1 +1,0 @@
-int kw__capture_placeholder;

@@ -1,0 +1,460 @@
+/* kw_builder_finish: validate the whole program, place the arena, bind every
+ * view, decide the barriers, and lay the result out as a kw_plan. */
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "builder_impl.h"
+#include "kw_mem.h"
+#include "kw_ops.h"
+
+/* Op checks see a call before the arena exists and before any per-call pointer
+ * is known: such tensors get distinct, never dereferenced, non-NULL addresses
+ * (NULL would mean "absent"). */
+#define FAKE_BASE ((uintptr_t)1 << 40)
+#define MAX_THREADS 1024
+
+static int reads(char access) { return access == KW_READ || access == KW_MODIFY; }
+static int writes(char access) { return access == KW_WRITE || access == KW_MODIFY; }
+
+static size_t round_up(size_t n) { return (n + KW__ALIGN - 1) & ~(size_t)(KW__ALIGN - 1); }
+
+/* "op 3 (linear 'q_proj'): " followed by the formatted text. */
+static int step_fail(const kw_builder *b, int i, char *msg, size_t len, int err, const char *fmt, ...)
+    __attribute__((format(printf, 6, 7)));
+
+static int step_fail(const kw_builder *b, int i, char *msg, size_t len, int err, const char *fmt, ...) {
+    if (!msg || !len) return err;
+    const kw__bstep *s = &b->steps[i];
+    const char *label = s->label ? s->label : "";
+    int n = snprintf(msg, len, "op %d (%s%s%s%s): ", i, s->op < 0 ? "fallback" : kw_op_get((kw_op_id)s->op)->name,
+                     *label ? " '" : "", label, *label ? "'" : "");
+    if (n >= 0 && (size_t)n < len) {
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(msg + n, len - (size_t)n, fmt, ap);
+        va_end(ap);
+    }
+    return err;
+}
+
+static const char *tensor_name(const kw__bstep *s, int k, char *buf, size_t len) {
+    if (s->op >= 0) return kw_op_get((kw_op_id)s->op)->arg[k].name;
+    snprintf(buf, len, "view %d", k);
+    return buf;
+}
+
+static int same_view(const kw__view *a, const kw__view *c) {
+    if (a->offset != c->offset || a->t.dtype != c->t.dtype || a->t.ndim != c->t.ndim) return 0;
+    for (int d = 0; d < a->t.ndim; d++)
+        if (a->t.shape[d] != c->t.shape[d] || a->t.stride[d] != c->t.stride[d]) return 0;
+    return 1;
+}
+
+/* A written view may coincide with another view of its step (an in-place
+ * update) but never partly overlap one: threads would race inside the step. */
+static int check_aliasing(const kw_builder *b, int i, char *msg, size_t len) {
+    const kw__bstep *s = &b->steps[i];
+    char na[32], nb[32];
+    for (int k = 0; k < s->n_views; k++) {
+        if (s->views[k] < 0 || !writes(s->access[k])) continue;
+        const kw__view *w = &b->views[s->views[k]];
+        int64_t wlo, whi;
+        kw__view_extent(w, &wlo, &whi);
+        for (int j = 0; j < s->n_views; j++) {
+            if (j == k || s->views[j] < 0) continue;
+            const kw__view *o = &b->views[s->views[j]];
+            int64_t olo, ohi;
+            kw__view_extent(o, &olo, &ohi);
+            if (o->buffer != w->buffer || same_view(w, o) || !(wlo < ohi && olo < whi)) continue;
+            return step_fail(b, i, msg, len, KW_EALIAS,
+                             "%s (written, bytes [%lld, %lld)) partly overlaps %s (bytes [%lld, %lld)) in '%s'",
+                             tensor_name(s, k, na, sizeof na), (long long)wlo, (long long)whi,
+                             tensor_name(s, j, nb, sizeof nb), (long long)olo, (long long)ohi,
+                             b->buffers[w->buffer].name);
+        }
+    }
+    return 0;
+}
+
+static void *fake_address(const kw_builder *b, const kw__view *v) {
+    const kw__buffer *buf = &b->buffers[v->buffer];
+    if (buf->kind == KW__BUFFER_CONSTANT || buf->kind == KW__BUFFER_STATIC) return (char *)buf->base + v->offset;
+    return (void *)(FAKE_BASE + ((uintptr_t)v->buffer << 20) + v->offset);
+}
+
+static kw_tensor bound_tensor(const kw__view *v, void *data) {
+    kw_tensor t = v->t;
+    t.data = data;
+    return t;
+}
+
+/* The op's own rules: parameter counts, required tensors, its check function.
+ * Also its per-thread scratch. */
+static int check_kernel_step(const kw_builder *b, int i, size_t *work, char *msg, size_t len) {
+    const kw__bstep *s = &b->steps[i];
+    const kw_op_info *info = kw_op_get((kw_op_id)s->op);
+    if (s->n_ip != info->n_ip || s->n_fp != info->n_fp)
+        return step_fail(b, i, msg, len, KW_EINVAL, "takes %d int and %d float parameters, got %d and %d",
+                         info->n_ip, info->n_fp, s->n_ip, s->n_fp);
+    kw_call call = {0};
+    for (int k = 0; k < info->n_tensors; k++) {
+        if (s->views[k] < 0) {
+            if (!info->arg[k].optional)
+                return step_fail(b, i, msg, len, KW_EINVAL, "tensor '%s' is required", info->arg[k].name);
+            continue;
+        }
+        const kw__view *v = &b->views[s->views[k]];
+        call.t[k] = bound_tensor(v, fake_address(b, v));
+    }
+    memcpy(call.ip, s->ip, sizeof call.ip);
+    memcpy(call.fp, s->fp, sizeof call.fp);
+    if (info->check) {
+        char text[KW__MSG] = "";
+        const int rc = info->check(&call, text, sizeof text);
+        if (rc) return step_fail(b, i, msg, len, rc < 0 ? rc : KW_EINVAL, "%s", text);
+    }
+    *work = info->work_size ? info->work_size(&call) : 0;
+    if (*work > KW__MAX_BYTES)
+        return step_fail(b, i, msg, len, KW_ENOMEM, "asks for %zu bytes of scratch per thread", *work);
+    return 0;
+}
+
+/* Every step in program order, so the first problem reported is the first one
+ * a replay would hit. work[i] gets step i's per-thread scratch. */
+static int validate(const kw_builder *b, size_t *work, char *msg, size_t len) {
+    char *written = calloc((size_t)b->n_buffers + 1, 1);
+    if (!written) return KW_ENOMEM;
+    int rc = 0;
+    char name[32];
+    for (int i = 0; i < b->n_steps && !rc; i++) {
+        const kw__bstep *s = &b->steps[i];
+        work[i] = 0;
+        for (int k = 0; k < s->n_views && !rc; k++) {
+            if (s->views[k] < 0) continue;
+            const kw__buffer *buf = &b->buffers[b->views[s->views[k]].buffer];
+            const int uninit = buf->kind == KW__BUFFER_ARENA || buf->kind == KW__BUFFER_OUTPUT;
+            if (writes(s->access[k]) && buf->kind == KW__BUFFER_CONSTANT)
+                rc = step_fail(b, i, msg, len, KW_EREADONLY, "%s writes constant '%s'",
+                               tensor_name(s, k, name, sizeof name), buf->name);
+            else if (reads(s->access[k]) && uninit && !written[b->views[s->views[k]].buffer])
+                rc = step_fail(b, i, msg, len, KW_EUNINIT, "%s reads %s buffer '%s' before any step writes it",
+                               tensor_name(s, k, name, sizeof name), kw__buffer_kind_name(buf->kind), buf->name);
+        }
+        if (!rc) rc = check_aliasing(b, i, msg, len);
+        if (!rc && s->op >= 0) rc = check_kernel_step(b, i, &work[i], msg, len);
+        for (int k = 0; k < s->n_views && !rc; k++)
+            if (s->views[k] >= 0 && writes(s->access[k])) written[b->views[s->views[k]].buffer] = 1;
+    }
+    for (int j = 0; j < b->n_buffers && !rc; j++)
+        if (b->buffers[j].kind == KW__BUFFER_OUTPUT && !written[j]) {
+            rc = KW_EUNINIT;
+            snprintf(msg, len, "output '%s' is never written", b->buffers[j].name);
+        }
+    free(written);
+    return rc;
+}
+
+/* ---- assembly ------------------------------------------------------------------ */
+
+/* Physical memory a view touches: arena buffers share one address space (the
+ * planner lets dead buffers share bytes), every other buffer is its own. */
+typedef struct region {
+    int space;
+    int64_t lo, hi;
+} region;
+
+static region view_region(const kw_plan *p, const kw__view *v) {
+    const kw__buffer *buf = &p->buffers[v->buffer];
+    region r = {v->buffer, 0, 0};
+    kw__view_extent(v, &r.lo, &r.hi);
+    if (buf->kind == KW__BUFFER_ARENA) {
+        r.space = -1;
+        r.lo += (int64_t)buf->arena_offset;
+        r.hi += (int64_t)buf->arena_offset;
+    }
+    return r;
+}
+
+static int hits(const region *set, int n, region r) {
+    for (int i = 0; i < n; i++)
+        if (set[i].space == r.space && set[i].lo < r.hi && r.lo < set[i].hi) return 1;
+    return 0;
+}
+
+/* A barrier goes before a step that reads what was written, or writes what was
+ * read or written, since the last barrier (threads split each step their own
+ * way, so any such overlap is a race). A fallback ends with a barrier. */
+static int place_barriers(kw_plan *p, int every_step) {
+    int total = 0;
+    for (int i = 0; i < p->n_steps; i++) total += p->info[i].n_views;
+    region *rd = malloc(sizeof(region) * (size_t)(total + 1)), *wr = malloc(sizeof(region) * (size_t)(total + 1));
+    if (!rd || !wr) {
+        free(rd);
+        free(wr);
+        return KW_ENOMEM;
+    }
+    int n_rd = 0, n_wr = 0, after_fallback = 1;
+    for (int i = 0; i < p->n_steps; i++) {
+        const kw__step_info *in = &p->info[i];
+        int need = every_step && !after_fallback;
+        for (int k = 0; k < in->n_views && !need; k++) {
+            if (in->views[k] < 0) continue;
+            const region r = view_region(p, &p->views[in->views[k]]);
+            if (r.lo == r.hi) continue;
+            need = (reads(in->access[k]) && hits(wr, n_wr, r)) ||
+                   (writes(in->access[k]) && (hits(rd, n_rd, r) || hits(wr, n_wr, r)));
+        }
+        if (need) {
+            p->steps[i].barrier = 1;
+            p->n_barriers++;
+            n_rd = n_wr = 0;
+        }
+        for (int k = 0; k < in->n_views; k++) {
+            if (in->views[k] < 0) continue;
+            const region r = view_region(p, &p->views[in->views[k]]);
+            if (r.lo == r.hi) continue;
+            if (reads(in->access[k])) rd[n_rd++] = r;
+            if (writes(in->access[k])) wr[n_wr++] = r;
+        }
+        after_fallback = in->op < 0;
+        if (after_fallback) {
+            p->n_barriers++;
+            n_rd = n_wr = 0;
+        }
+    }
+    free(rd);
+    free(wr);
+    return 0;
+}
+
+static int place_arena(kw_plan *p) {
+    kw_arena_item *items = calloc((size_t)p->n_buffers + 1, sizeof *items);
+    if (!items) return KW_ENOMEM;
+    for (int i = 0; i < p->n_buffers; i++) {
+        const kw__buffer *buf = &p->buffers[i];
+        if (buf->kind == KW__BUFFER_ARENA) items[i] = (kw_arena_item){buf->nbytes, buf->first, buf->last, 0};
+        else items[i].first = -1;
+    }
+    p->arena_bytes = kw_arena_plan(items, p->n_buffers);
+    for (int i = 0; i < p->n_buffers; i++) p->buffers[i].arena_offset = items[i].offset;
+    free(items);
+    return 0;
+}
+
+static void mark_liveness(kw_plan *p) {
+    for (int i = 0; i < p->n_steps; i++)
+        for (int k = 0; k < p->info[i].n_views; k++) {
+            if (p->info[i].views[k] < 0) continue;
+            kw__buffer *buf = &p->buffers[p->views[p->info[i].views[k]].buffer];
+            if (buf->first < 0) buf->first = i;
+            buf->last = i;
+        }
+}
+
+/* The plan's own copies of the builder's tables. */
+static int copy_description(kw_plan *p, const kw_builder *b) {
+    p->buffers = calloc((size_t)b->n_buffers + 1, sizeof *p->buffers);
+    p->views = malloc(sizeof *p->views * ((size_t)b->n_views + 1));
+    p->info = calloc((size_t)b->n_steps + 1, sizeof *p->info);
+    p->steps = calloc((size_t)b->n_steps + 1, sizeof *p->steps);
+    p->profile_ns = calloc((size_t)b->n_steps + 1, sizeof *p->profile_ns);
+    if (!p->buffers || !p->views || !p->info || !p->steps || !p->profile_ns) return KW_ENOMEM;
+    p->n_buffers = b->n_buffers;
+    for (int i = 0; i < b->n_buffers; i++) {
+        p->buffers[i] = b->buffers[i];
+        p->buffers[i].name = strdup(b->buffers[i].name);
+        if (!p->buffers[i].name) return KW_ENOMEM;
+    }
+    p->n_views = b->n_views;
+    if (b->n_views) memcpy(p->views, b->views, sizeof *p->views * (size_t)b->n_views);
+    p->n_steps = b->n_steps;
+    for (int i = 0; i < b->n_steps; i++) {
+        const kw__bstep *s = &b->steps[i];
+        kw__step_info *in = &p->info[i];
+        in->op = s->op;
+        in->n_views = s->n_views;
+        in->label = strdup(s->label ? s->label : "");
+        in->views = malloc(sizeof(int) * (size_t)(s->n_views + 1));
+        in->access = malloc((size_t)s->n_views + 1);
+        if (!in->label || !in->views || !in->access) return KW_ENOMEM;
+        memcpy(in->views, s->views, sizeof(int) * (size_t)s->n_views);
+        memcpy(in->access, s->access, (size_t)s->n_views);
+        for (int k = 0; k < s->n_views; k++) {
+            if (s->views[k] < 0) continue;
+            const int64_t bytes = kw__view_bytes(&b->views[s->views[k]]);
+            if (reads(s->access[k]) && __builtin_add_overflow(in->bytes_read, bytes, &in->bytes_read))
+                in->bytes_read = INT64_MAX;
+            if (writes(s->access[k]) && __builtin_add_overflow(in->bytes_written, bytes, &in->bytes_written))
+                in->bytes_written = INT64_MAX;
+        }
+    }
+    return 0;
+}
+
+static int allocate_arena(kw_plan *p, const size_t *work, int n_threads) {
+    size_t scratch = 0;
+    for (int i = 0; i < p->n_steps; i++)
+        if (work[i] > scratch) scratch = work[i];
+    p->scratch_stride = round_up(scratch);
+    p->alloc_bytes = p->arena_bytes + (size_t)n_threads * p->scratch_stride;
+    if (p->alloc_bytes && !(p->arena = kw_mem_alloc(p->alloc_bytes))) return KW_ENOMEM;
+    /* A used buffer of zero bytes still needs a non-NULL address (NULL marks an
+     * absent tensor); it is never dereferenced. */
+    for (int i = 0; i < p->n_buffers; i++)
+        if (p->buffers[i].kind == KW__BUFFER_ARENA && p->buffers[i].first >= 0)
+            p->buffers[i].base = p->arena ? p->arena + p->buffers[i].arena_offset : kw__empty;
+    return 0;
+}
+
+static void *view_address(const kw_plan *p, const kw__view *v) {
+    const kw__buffer *buf = &p->buffers[v->buffer];
+    return buf->base ? (char *)buf->base + v->offset : NULL;
+}
+
+/* Kernel calls and fallback view arrays, with every fixed address bound. */
+static int build_steps(kw_plan *p, const kw_builder *b, const size_t *work, int isa) {
+    int n_calls = 0, n_fallbacks = 0;
+    for (int i = 0; i < b->n_steps; i++) b->steps[i].op < 0 ? n_fallbacks++ : n_calls++;
+    p->calls = calloc((size_t)n_calls + 1, sizeof *p->calls);
+    p->fallbacks = calloc((size_t)n_fallbacks + 1, sizeof *p->fallbacks);
+    if (!p->calls || !p->fallbacks) return KW_ENOMEM;
+    int c = 0;
+    for (int i = 0; i < b->n_steps; i++) {
+        const kw__bstep *s = &b->steps[i];
+        kw__step *st = &p->steps[i];
+        if (s->op < 0) {
+            kw__fallback *f = &p->fallbacks[p->n_fallbacks];
+            f->views = calloc((size_t)s->n_views + 1, sizeof *f->views);
+            if (!f->views) return KW_ENOMEM;
+            p->n_fallbacks++;
+            f->fn = s->fn;
+            f->user = s->user;
+            f->n = s->n_views;
+            for (int k = 0; k < s->n_views; k++) {
+                const kw__view *v = &p->views[s->views[k]];
+                f->views[k] = bound_tensor(v, view_address(p, v));
+            }
+            *st = (kw__step){.fallback = p->n_fallbacks - 1};
+            continue;
+        }
+        kw_call *call = &p->calls[c++];
+        for (int k = 0; k < s->n_views; k++)
+            if (s->views[k] >= 0) {
+                const kw__view *v = &p->views[s->views[k]];
+                call->t[k] = bound_tensor(v, view_address(p, v));
+            }
+        memcpy(call->ip, s->ip, sizeof call->ip);
+        memcpy(call->fp, s->fp, sizeof call->fp);
+        if (work[i]) {
+            call->work = p->arena + p->arena_bytes;
+            call->work_stride = p->scratch_stride;
+        }
+        *st = (kw__step){.fn = kw_op_kernel((kw_op_id)s->op, (kw_isa)isa), .call = call, .fallback = -1};
+    }
+    return 0;
+}
+
+/* The tensors replay re-points on every call, grouped by slot. */
+static int build_patches(kw_plan *p, const kw_builder *b) {
+    p->n_slots = b->n_slots;
+    p->slots = calloc((size_t)b->n_slots + 1, sizeof *p->slots);
+    if (!p->slots) return KW_ENOMEM;
+    for (int i = 0; i < p->n_buffers; i++)
+        if (p->buffers[i].slot >= 0) {
+            kw__slot *s = &p->slots[p->buffers[i].slot];
+            s->buffer = i;
+            if (p->buffers[i].kind == KW__BUFFER_STATIC) s->expected = p->buffers[i].base;
+        }
+    /* Two passes over the same walk: count, then fill. */
+    int total = 0;
+    for (int pass = 0; pass < 2; pass++) {
+        int c = 0, f = 0;
+        for (int i = 0; i < b->n_steps; i++) {
+            const kw__bstep *s = &b->steps[i];
+            kw_tensor *t = s->op < 0 ? p->fallbacks[f++].views : p->calls[c++].t;
+            for (int k = 0; k < s->n_views; k++) {
+                if (s->views[k] < 0) continue;
+                const kw__view *v = &p->views[s->views[k]];
+                const kw__buffer *buf = &p->buffers[v->buffer];
+                if (buf->kind != KW__BUFFER_INPUT && buf->kind != KW__BUFFER_OUTPUT) continue;
+                kw__slot *slot = &p->slots[buf->slot];
+                if (pass == 0) {
+                    slot->n_patches++;
+                    total++;
+                } else {
+                    slot->patches[slot->n_patches++] = (kw__patch){&t[k], v->offset};
+                }
+            }
+        }
+        if (pass == 0) {
+            p->patches = malloc(sizeof *p->patches * ((size_t)total + 1));
+            if (!p->patches) return KW_ENOMEM;
+            kw__patch *next = p->patches;
+            for (int j = 0; j < p->n_slots; j++) {
+                p->slots[j].patches = next;
+                next += p->slots[j].n_patches;
+                p->slots[j].n_patches = 0;
+            }
+        }
+    }
+    return 0;
+}
+
+static int assemble(kw_plan *p, const kw_builder *b, const kw_finish_opts *o, const size_t *work) {
+    int rc = copy_description(p, b);
+    if (!rc) {
+        mark_liveness(p);
+        rc = place_arena(p);
+    }
+    if (!rc) rc = allocate_arena(p, work, o->n_threads);
+    if (!rc) rc = build_steps(p, b, work, o->isa);
+    if (!rc) rc = build_patches(p, b);
+    if (!rc) rc = place_barriers(p, o->barrier_every_step);
+    return rc;
+}
+
+int kw_builder_finish(kw_builder *b, const kw_finish_opts *opts, kw_plan **out, char *msg, size_t msg_len) {
+    static const kw_finish_opts defaults = {.n_threads = 1, .isa = -1};
+    kw_finish_opts o = opts ? *opts : defaults;
+    if (!msg) msg_len = 0;
+    if (msg_len) msg[0] = '\0';
+    if (out) *out = NULL;
+    if (!out) return KW_EINVAL;
+    if (b->spent) {
+        snprintf(msg, msg_len, "finish: the builder is already finished");
+        return KW_ESTATE;
+    }
+    if (b->err) {
+        snprintf(msg, msg_len, "%s", b->first_msg);
+        return b->err;
+    }
+    if (o.n_threads < 1 || o.n_threads > MAX_THREADS || o.isa < -1 || o.isa >= KW_ISA_COUNT) {
+        snprintf(msg, msg_len, "finish: n_threads %d (1..%d) or isa %d is out of range", o.n_threads, MAX_THREADS,
+                 o.isa);
+        return KW_EINVAL;
+    }
+    if (o.isa < 0) o.isa = (int)kw_cpu_isa();
+
+    size_t *work = calloc((size_t)b->n_steps + 1, sizeof *work);
+    kw_plan *p = calloc(1, sizeof *p);
+    int rc = work && p ? 0 : KW_ENOMEM;
+    if (!rc) rc = validate(b, work, msg, msg_len);
+    if (!rc) {
+        p->n_threads = o.n_threads;
+        p->isa = o.isa;
+        rc = assemble(p, b, &o, work);
+        if (rc) snprintf(msg, msg_len, "finish: %s", kw_strerror(rc));
+    } else if (rc == KW_ENOMEM && msg_len && !msg[0]) {
+        snprintf(msg, msg_len, "finish: out of memory");
+    }
+    free(work);
+    if (rc) {
+        kw_plan_destroy(p);
+        return rc;
+    }
+    b->spent = 1;
+    *out = p;
+    return 0;
+}

@@ -1,0 +1,43 @@
+/* Buffers for kwker: large ones from mmap with MADV_HUGEPAGE (2 MiB pages cut TLB
+ * misses on weights and arenas), small ones from aligned_alloc. Both are zeroed
+ * and 64-byte aligned; the size passed to kw_mem_free picks the same path again. */
+#define _GNU_SOURCE
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+
+#include "kw_mem.h"
+
+#define KW__HUGE ((size_t)2 << 20)
+
+static size_t round_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
+
+/* An anonymous mapping placed on a 2 MiB boundary (so the kernel can back it
+ * with huge pages from its first byte): map one huge page extra, trim the ends. */
+static void *map_huge(size_t bytes) {
+    const size_t len = round_up(bytes, KW__HUGE);
+    char *raw = mmap(NULL, len + KW__HUGE, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (raw == MAP_FAILED) return NULL;
+    char *p = (char *)round_up((uintptr_t)raw, KW__HUGE);
+    if (p > raw) munmap(raw, (size_t)(p - raw));
+    if (p + len < raw + len + KW__HUGE) munmap(p + len, (size_t)(raw + len + KW__HUGE - (p + len)));
+    madvise(p, len, MADV_HUGEPAGE); /* a hint: failure (THP disabled) is harmless */
+    return p;
+}
+
+void *kw_mem_alloc(size_t bytes) {
+    if (bytes >= KW__HUGE) return map_huge(bytes);
+    const size_t len = round_up(bytes ? bytes : 1, 64);
+    void *p = aligned_alloc(64, len);
+    if (p) memset(p, 0, len);
+    return p;
+}
+
+void kw_mem_free(void *p, size_t bytes) {
+    if (!p) return;
+    if (bytes >= KW__HUGE)
+        munmap(p, round_up(bytes, KW__HUGE));
+    else
+        free(p);
+}

@@ -1,0 +1,175 @@
+/* The replay loop: every thread of the pool walks the same flat step array. */
+#include <stdlib.h>
+#include <time.h>
+
+#include "kw_mem.h"
+#include "kw_ops.h"
+#include "kw_plan_impl.h"
+
+_Alignas(KW__ALIGN) char kw__empty[KW__ALIGN];
+
+const char *kw__buffer_kind_name(int kind) {
+    switch (kind) {
+    case KW__BUFFER_INPUT: return "input";
+    case KW__BUFFER_STATIC: return "static";
+    case KW__BUFFER_OUTPUT: return "output";
+    case KW__BUFFER_CONSTANT: return "constant";
+    case KW__BUFFER_ARENA: return "arena";
+    default: return "?";
+    }
+}
+
+void kw_plan_destroy(kw_plan *p) {
+    if (!p) return;
+    if (p->arena) kw_mem_free(p->arena, p->alloc_bytes);
+    for (int i = 0; i < p->n_fallbacks; i++) free(p->fallbacks[i].views);
+    for (int i = 0; i < p->n_buffers; i++) free(p->buffers[i].name);
+    for (int i = 0; i < p->n_steps; i++) {
+        free(p->info[i].label);
+        free(p->info[i].views);
+        free(p->info[i].access);
+    }
+    free(p->steps);
+    free(p->calls);
+    free(p->fallbacks);
+    free(p->slots);
+    free(p->patches);
+    free(p->buffers);
+    free(p->views);
+    free(p->info);
+    free(p->profile_ns);
+    free(p);
+}
+
+/* One replay in flight: what every thread of the pool reads. */
+typedef struct kw__run {
+    kw_plan *plan;
+    kw_pool *pool;
+    atomic_int rc;
+} kw__run;
+
+/* Thread 0 runs the host step while the others go straight to the barrier; after
+ * it every thread reads the same verdict and a failure stops them all at once. */
+static int run_fallback(kw__run *r, const kw__fallback *f, int ith) {
+    if (ith == 0 && f->fn(f->user, f->views, f->n) != 0)
+        atomic_store_explicit(&r->rc, KW_ECALLBACK, memory_order_relaxed);
+    kw_pool_barrier(r->pool);
+    return atomic_load_explicit(&r->rc, memory_order_relaxed);
+}
+
+static void run_steps(void *arg, int ith, int nth) {
+    kw__run *r = arg;
+    kw_pool *pool = r->pool;
+    const kw__fallback *fallbacks = r->plan->fallbacks;
+    const kw__step *s = r->plan->steps, *end = s + r->plan->n_steps;
+    for (; s < end; s++) {
+        if (s->barrier) kw_pool_barrier(pool);
+        if (s->fn)
+            s->fn(s->call, ith, nth);
+        else if (run_fallback(r, &fallbacks[s->fallback], ith))
+            return;
+    }
+}
+
+static uint64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+/* The same walk with a barrier after every step, so that thread 0's clock spans
+ * the slowest thread's share. */
+static void run_steps_profiled(void *arg, int ith, int nth) {
+    kw__run *r = arg;
+    kw_plan *p = r->plan;
+    for (int i = 0; i < p->n_steps; i++) {
+        const kw__step *s = &p->steps[i];
+        const uint64_t t0 = ith == 0 ? now_ns() : 0;
+        if (s->fn) {
+            s->fn(s->call, ith, nth);
+            kw_pool_barrier(r->pool);
+        } else if (run_fallback(r, &p->fallbacks[s->fallback], ith)) {
+            return;
+        }
+        if (ith == 0) p->profile_ns[i] += now_ns() - t0;
+    }
+}
+
+/* Points every view on a per-call buffer at this call's memory. */
+static int bind_slots(kw_plan *p, void *const *ptrs) {
+    for (int i = 0; i < p->n_slots; i++) {
+        const kw__slot *s = &p->slots[i];
+        char *base = ptrs[i];
+        if (s->expected) {
+            if (base != s->expected) return KW_ESTATIC;
+            continue;
+        }
+        if (!base) {
+            if (p->buffers[s->buffer].nbytes) return KW_EINVAL;
+            base = kw__empty; /* zero bytes: every view on it is empty and at offset 0 */
+        }
+        for (int k = 0; k < s->n_patches; k++) s->patches[k].t->data = base + s->patches[k].offset;
+    }
+    return 0;
+}
+
+int kw_plan_replay(kw_plan *p, kw_pool *pool, void *const *slots) {
+    if (!p || !pool || (p->n_slots && !slots) || kw_pool_size(pool) > p->n_threads) return KW_EINVAL;
+    if (atomic_exchange_explicit(&p->busy, 1, memory_order_acquire)) return KW_EBUSY;
+    kw__run r = {.plan = p, .pool = pool};
+    int rc = bind_slots(p, slots);
+    if (rc == 0) {
+        kw_pool_run(pool, p->profiling ? run_steps_profiled : run_steps, &r);
+        rc = atomic_load_explicit(&r.rc, memory_order_relaxed);
+        if (p->profiling && rc == 0) p->profile_runs++;
+    }
+    atomic_store_explicit(&p->busy, 0, memory_order_release);
+    return rc;
+}
+
+int kw_plan_n_slots(const kw_plan *p) { return p->n_slots; }
+
+int64_t kw_plan_slot_bytes(const kw_plan *p, int slot) {
+    if (slot < 0 || slot >= p->n_slots) return -1;
+    return (int64_t)p->buffers[p->slots[slot].buffer].nbytes;
+}
+
+void *kw_plan_slot_static(const kw_plan *p, int slot) {
+    return slot >= 0 && slot < p->n_slots ? p->slots[slot].expected : NULL;
+}
+
+void *kw_plan_buffer_address(const kw_plan *p, int buffer) {
+    if (buffer < 0 || buffer >= p->n_buffers) return NULL;
+    const kw__buffer *b = &p->buffers[buffer];
+    return b->kind == KW__BUFFER_INPUT || b->kind == KW__BUFFER_OUTPUT ? NULL : b->base;
+}
+
+int kw_plan_n_steps(const kw_plan *p) { return p->n_steps; }
+int kw_plan_n_barriers(const kw_plan *p) { return p->n_barriers; }
+int kw_plan_n_threads(const kw_plan *p) { return p->n_threads; }
+void *kw_plan_arena(const kw_plan *p) { return p->arena; }
+size_t kw_plan_arena_bytes(const kw_plan *p) { return p->alloc_bytes; }
+
+void kw_plan_set_profiling(kw_plan *p, int on) {
+    p->profiling = on && p->profile_ns;
+    if (!p->profile_ns) return;
+    for (int i = 0; i < p->n_steps; i++) p->profile_ns[i] = 0;
+    p->profile_runs = 0;
+}
+
+int kw_plan_profiling(const kw_plan *p) { return p->profiling; }
+
+const uint64_t *kw_plan_profile(const kw_plan *p, uint64_t *runs) {
+    if (runs) *runs = p->profile_runs;
+    return p->profile_ns;
+}
+
+const char *kw_plan_step_name(const kw_plan *p, int step) {
+    if (step < 0 || step >= p->n_steps) return NULL;
+    const int op = p->info[step].op;
+    return op < 0 ? "fallback" : kw_op_get((kw_op_id)op)->name;
+}
+
+const char *kw_plan_step_label(const kw_plan *p, int step) {
+    return step >= 0 && step < p->n_steps ? p->info[step].label : NULL;
+}

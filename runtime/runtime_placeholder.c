@@ -1,1 +1,0 @@
-int kw__runtime_placeholder;

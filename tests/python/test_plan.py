@@ -1,0 +1,353 @@
+"""kwker._C.PlanBuilder / Plan: plans built from Python equal PyTorch, inputs are
+checked on every call, outputs the caller holds are never overwritten, fallbacks
+run Python steps between native ones."""
+
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kwker import _C
+
+F32 = torch.float32
+P = _C.op_params()
+
+
+def _contig(b, buf, shape, dtype=F32, offset=0):
+    return b.view(buf, dtype, shape, None, offset)
+
+
+def relu_fallback(reads, writes):
+    writes[0].copy_(torch.relu(reads[0]))
+
+
+def build_mlp(w1, b1, w2, b2, batch, *, activation, n_threads):
+    """x [batch, K] -> linear(w1, b1) -> activation -> linear(w2, b2) -> out."""
+    b = _C.PlanBuilder()
+    k, h, n = w1.shape[1], w1.shape[0], w2.shape[0]
+    x = b.input("x", F32, (batch, k))
+    cw1, cb1, cw2, cb2 = (b.constant(t, name) for t, name in ((w1, "w1"), (b1, "b1"), (w2, "w2"), (b2, "b2")))
+    hid = b.arena(batch * h * 4, "hidden")
+    act = b.arena(batch * h * 4, "activated")
+    out = b.output_buffer("out", F32, (batch, n))
+    v_hid, v_act, v_out = _contig(b, hid, (batch, h)), _contig(b, act, (batch, h)), _contig(b, out, (batch, n))
+    b.op("linear", [v_hid, _contig(b, x, (batch, k)), _contig(b, cw1, (h, k)), _contig(b, cb1, (h,))], label="fc1")
+    if activation == "gelu":
+        b.op("gelu", [v_act, v_hid], ip=[0], label="act")
+    else:
+        b.fallback(relu_fallback, [v_hid], [v_act], label="relu")
+    b.op("linear", [v_out, v_act, _contig(b, cw2, (n, h)), _contig(b, cb2, (n,))], label="fc2")
+    b.output(v_out)
+    return b.finish(n_threads)
+
+
+def mlp_weights(k=32, h=96, n=24, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(*s, generator=g) * 0.3 for s in ((h, k), (h,), (n, h), (n,))]
+
+
+@pytest.mark.parametrize("activation", ["gelu", "relu-fallback"])
+@pytest.mark.parametrize("n_threads", [1, 2])
+def test_two_layer_mlp_equals_pytorch(activation, n_threads):
+    w1, b1, w2, b2 = mlp_weights()
+    plan = build_mlp(w1, b1, w2, b2, 5, activation=activation, n_threads=n_threads)
+    act = F.gelu if activation == "gelu" else torch.relu
+    for seed in range(4):
+        x = torch.randn(5, 32, generator=torch.Generator().manual_seed(seed))
+        (out,) = plan(x)
+        torch.testing.assert_close(out, F.linear(act(F.linear(x, w1, b1)), w2, b2), rtol=1e-5, atol=1e-5)
+    assert plan.n_fallbacks == (activation != "gelu")
+
+
+def build_attention_block(wqkv, wo, k_cache, v_cache, n_heads, n_kv_heads, head_dim):
+    """One decode position: qkv = x Wqkvᵀ; the cache rows at `pos` get k and v; attention
+    over the masked cache; o = attn Woᵀ. Caches are static inputs written in place."""
+    b = _C.PlanBuilder()
+    d_model = wqkv.shape[1]
+    batch, _, max_len, _ = k_cache.shape
+    q_dim, kv_dim = n_heads * head_dim, n_kv_heads * head_dim
+    x = b.input("x", F32, (batch, 1, d_model))
+    pos = b.input("pos", torch.int64, (1,))
+    mask = b.input("mask", torch.bool, (batch, 1, 1, max_len))
+    kc = b.static_input("k_cache", k_cache)
+    vc = b.static_input("v_cache", v_cache)
+    cw, co = b.constant(wqkv, "wqkv"), b.constant(wo, "wo")
+    q, k, v = (b.arena(batch * n * 4, name) for n, name in ((q_dim, "q"), (kv_dim, "k"), (kv_dim, "v")))
+    attn = b.arena(batch * q_dim * 4, "attn")
+    out = b.output_buffer("out", F32, (batch, 1, d_model))
+    b.op(
+        "linear_multi",
+        [
+            _contig(b, q, (batch, 1, q_dim)),
+            _contig(b, k, (batch, 1, kv_dim)),
+            _contig(b, v, (batch, 1, kv_dim)),
+            None,
+            _contig(b, x, (batch, 1, d_model)),
+            _contig(b, cw, tuple(wqkv.shape)),
+        ],
+        label="qkv_proj",
+    )
+    # [B, 1, H*D] seen as [B, H, 1, D]: an alias, no op.
+    heads = lambda buf, h: b.view(buf, F32, (batch, h, 1, head_dim), (h * head_dim, head_dim, head_dim, 1))
+    v_kc, v_vc = _contig(b, kc, tuple(k_cache.shape)), _contig(b, vc, tuple(v_cache.shape))
+    v_pos = _contig(b, pos, (1,), torch.int64)
+    b.op("kv_write", [v_kc, heads(k, n_kv_heads), v_pos], label="k_write")
+    b.op("kv_write", [v_vc, heads(v, n_kv_heads), v_pos], label="v_write")
+    b.op(
+        "attention",
+        [heads(attn, n_heads), heads(q, n_heads), v_kc, v_vc, _contig(b, mask, (batch, 1, 1, max_len), torch.bool)],
+        fp=[head_dim**-0.5],
+        label="sdpa",
+    )
+    v_out = _contig(b, out, (batch, 1, d_model))
+    b.op("linear", [v_out, _contig(b, attn, (batch, 1, q_dim)), _contig(b, co, tuple(wo.shape))], label="o_proj")
+    b.output(v_out)
+    return b.finish(2)
+
+
+def attention_reference(x, pos, mask, wqkv, wo, k_cache, v_cache, n_heads, n_kv_heads, head_dim):
+    batch = x.shape[0]
+    q, k, v = F.linear(x, wqkv).split([n_heads * head_dim, n_kv_heads * head_dim, n_kv_heads * head_dim], -1)
+    heads = ((q, n_heads), (k, n_kv_heads), (v, n_kv_heads))
+    q, k, v = (t.view(batch, 1, h, head_dim).transpose(1, 2) for t, h in heads)
+    k_cache.index_copy_(2, pos, k)
+    v_cache.index_copy_(2, pos, v)
+    o = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask, enable_gqa=True)
+    return F.linear(o.transpose(1, 2).reshape(batch, 1, n_heads * head_dim), wo)
+
+
+def test_toy_attention_block_equals_pytorch_and_writes_the_cache_in_place():
+    torch.manual_seed(0)
+    batch, d_model, n_heads, n_kv_heads, head_dim, max_len = 2, 64, 4, 2, 16, 12
+    wqkv = torch.randn((n_heads + 2 * n_kv_heads) * head_dim, d_model) * 0.2
+    wo = torch.randn(d_model, n_heads * head_dim) * 0.2
+    k_cache = torch.zeros(batch, n_kv_heads, max_len, head_dim)
+    v_cache = torch.zeros_like(k_cache)
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    plan = build_attention_block(wqkv, wo, k_cache, v_cache, n_heads, n_kv_heads, head_dim)
+    for step in range(5):
+        x = torch.randn(batch, 1, d_model)
+        pos = torch.tensor([step])
+        mask = torch.zeros(batch, 1, 1, max_len, dtype=torch.bool)
+        mask[..., : step + 1] = True
+        (out,) = plan(x, pos, mask, k_cache, v_cache)
+        ref = attention_reference(x, pos, mask, wqkv, wo, ref_k, ref_v, n_heads, n_kv_heads, head_dim)
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(k_cache, ref_k)
+        torch.testing.assert_close(v_cache, ref_v)
+    other_cache = torch.zeros_like(k_cache)
+    with pytest.raises(_C.PlanError, match="static input 'k_cache' \\(argument 3\\) is not the tensor") as e:
+        plan(x, pos, mask, other_cache, v_cache)
+    assert e.value.code == _C.ESTATIC
+
+
+def small_linear_plan(n_threads=1):
+    """out [2, 8] = x [2, 4] wᵀ."""
+    w = torch.randn(8, 4)
+    b = _C.PlanBuilder()
+    x = b.input("x", F32, (2, 4))
+    out = b.output_buffer("out", F32, (2, 8))
+    v_out = _contig(b, out, (2, 8))
+    b.op("linear", [v_out, _contig(b, x, (2, 4)), _contig(b, b.constant(w, "w"), (8, 4))])
+    b.output(v_out)
+    return b.finish(n_threads), w
+
+
+def test_a_wrong_input_shape_raises_naming_the_input_and_both_shapes():
+    plan, _ = small_linear_plan()
+    with pytest.raises(_C.PlanError, match=r"input 'x' \(argument 0\): expected shape \(2, 4\), got \(2, 5\)") as e:
+        plan(torch.randn(2, 5))
+    assert e.value.code == _C.ESHAPE
+    with pytest.raises(_C.PlanError, match="expected dtype torch.float32, got torch.bfloat16"):
+        plan(torch.randn(2, 4, dtype=torch.bfloat16))
+    with pytest.raises(_C.PlanError, match=r"expected strides \(4, 1\), got \(1, 2\)"):
+        plan(torch.randn(4, 2).t())
+    with pytest.raises(TypeError, match="must be a torch.Tensor"):
+        plan([[1.0] * 4] * 2)
+    with pytest.raises(TypeError, match="takes 1 positional arguments"):
+        plan()
+    # Strides of size-1 dims are PyTorch's to choose.
+    plan_row, _ = small_linear_plan()
+    x = torch.randn(2, 4)
+    assert plan_row(x)[0].shape == (2, 8)
+
+
+def test_an_output_the_caller_holds_is_not_overwritten_by_the_next_call():
+    plan, w = small_linear_plan()
+    x1, x2 = torch.randn(2, 4), torch.randn(2, 4)
+    (out1,) = plan(x1)
+    row = out1[1]  # a view holds the storage without holding out1
+    kept = out1.clone()
+    del out1
+    (out2,) = plan(x2)
+    torch.testing.assert_close(row, kept[1])
+    torch.testing.assert_close(out2, x2 @ w.T)
+    assert out2.data_ptr() != row.data_ptr() - row.storage_offset() * 4
+
+
+def test_outputs_may_be_views_and_may_be_inputs():
+    b = _C.PlanBuilder()
+    x = b.input("x", F32, (3, 4))
+    out = b.output_buffer("out", F32, (3, 4))
+    w = torch.arange(4.0)
+    b.op("binary", [_contig(b, out, (3, 4)), _contig(b, x, (3, 4)), None], ip=[P["BINARY_MUL"]], fp=[2.0])
+    b.output(b.view(out, F32, (4,), (1,), 4 * 4))  # out[1]: as_strided of the fresh tensor
+    b.output(b.view(out, torch.int32, (4,), None, 2 * 4 * 4))  # out[2] as int32: a view over the bytes
+    b.output(_contig(b, x, (3, 4)))  # the input itself
+    b.output(b.view(x, F32, (2,), (4,), 4))  # x[:2, 1]
+    b.output(b.view(b.constant(w, "w"), F32, (2,), (1,), 8))  # w[2:]
+    plan = b.finish(1)
+    base = torch.randn(5, 4)
+    xv = base[1:4]  # an input with a storage offset
+    row, bits, same, col, tail = plan(xv)
+    torch.testing.assert_close(row, xv[1] * 2)
+    torch.testing.assert_close(bits, (xv[2] * 2).view(torch.int32))
+    assert same is xv
+    torch.testing.assert_close(col, xv[:2, 1])
+    assert col.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()  # shares the input's storage
+    torch.testing.assert_close(tail, w[2:])
+
+
+def test_an_arena_view_cannot_be_returned():
+    b = _C.PlanBuilder()
+    a = b.arena(64)
+    with pytest.raises(_C.PlanError, match="arena buffer"):
+        b.output(_contig(b, a, (16,)))
+
+
+def test_validation_errors_name_the_op():
+    b = _C.PlanBuilder()
+    x = b.input("x", F32, (2, 4))
+    w = b.constant(torch.randn(8, 4), "w")
+    h = b.arena(2 * 8 * 4, "h")
+    b.op("linear", [_contig(b, h, (2, 8)), _contig(b, x, (2, 4)), _contig(b, w, (8, 4))], label="fc1")
+    b.op("linear", [_contig(b, h, (2, 8)), _contig(b, h, (2, 8)), _contig(b, w, (8, 4))], label="fc2")
+    with pytest.raises(_C.PlanError, match=r"op 1 \(linear 'fc2'\)") as e:
+        b.finish(1)
+    assert e.value.code in (_C.ESHAPE, _C.EINVAL)
+    with pytest.raises(_C.PlanError, match="outside buffer 'x'") as e:
+        b.view(x, F32, (3, 4))
+    assert e.value.code == _C.EBOUNDS
+    with pytest.raises(_C.PlanError, match="no kwker op named 'nonsense'"):
+        b.op("nonsense", [])
+
+
+def test_a_fallback_exception_propagates_and_the_plan_stays_usable():
+    calls = []
+
+    def boom(reads, writes):
+        calls.append(1)
+        if len(calls) == 1:
+            raise ValueError("boom")
+        writes[0].copy_(reads[0] + 1)
+
+    b = _C.PlanBuilder()
+    x = b.input("x", F32, (4,))
+    out = b.output_buffer("out", F32, (4,))
+    b.fallback(boom, [_contig(b, x, (4,))], [_contig(b, out, (4,))])
+    b.output(_contig(b, out, (4,)))
+    plan = b.finish(2)
+    with pytest.raises(ValueError, match="boom"):
+        plan(torch.zeros(4))
+    torch.testing.assert_close(plan(torch.ones(4))[0], torch.full((4,), 2.0))
+
+
+def test_a_plan_called_from_its_own_fallback_is_busy():
+    holder = {}
+
+    def reenter(reads, writes):
+        holder["plan"](torch.zeros(1))
+
+    b = _C.PlanBuilder()
+    x = b.input("x", F32, (1,))
+    b.fallback(reenter, [_contig(b, x, (1,))], [])
+    plan = holder["plan"] = b.finish(1)
+    with pytest.raises(_C.PlanError, match="already being replayed") as e:
+        plan(torch.zeros(1))
+    assert e.value.code == _C.EBUSY
+    holder.clear()  # the fallback closure and the plan form a cycle; the GC frees it
+
+
+def test_two_plans_replay_at_once_from_two_python_threads():
+    plans = [small_linear_plan(2) for _ in range(2)]
+    errors = []
+
+    def run(plan, w):
+        try:
+            for _ in range(200):
+                x = torch.randn(2, 4)
+                torch.testing.assert_close(plan(x)[0], x @ w.T, rtol=1e-5, atol=1e-5)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=pw) for pw in plans]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+
+
+def test_dump_and_profile():
+    w1, b1, w2, b2 = mlp_weights()
+    plan = build_mlp(w1, b1, w2, b2, 2, activation="relu-fallback", n_threads=2)
+    text = plan.dump()
+    for part in ("argument 0: input 'x'", "fc1", "relu", "fc2", "hidden", "arena", "barrier", "read"):
+        assert part in text, part
+    assert plan.profile is None
+    plan.profiling = True
+    for _ in range(3):
+        plan(torch.randn(2, 32))
+    prof = plan.profile
+    assert prof["replays"] == 3
+    assert [s["label"] for s in prof["steps"]] == ["fc1", "relu", "fc2"]
+    assert all(s["mean_us"] >= 0 for s in prof["steps"])
+    plan.profiling = False
+    assert plan.profile is None
+
+
+def test_arguments_no_input_reads_are_ignored_and_static_inputs_may_check_only_their_pointer():
+    counter = torch.zeros((), dtype=torch.int64)
+    b = _C.PlanBuilder()
+    x = b.input("x", F32, (3,), arg=2)
+    c = b.static_input("counter", counter, arg=0, check_layout=False)
+    v_c = b.view(c, torch.int64, ())
+    b.op("binary", [v_c, v_c, None], ip=[P["BINARY_ADD"]], fp=[1.0], label="counter.add_(1)")
+    out = b.output_buffer("out", F32, (3,))
+    b.op("binary", [_contig(b, out, (3,)), _contig(b, x, (3,)), None], ip=[P["BINARY_ADD"]], fp=[1.0])
+    b.output(_contig(b, out, (3,)))
+    plan = b.finish(1, n_args=4)
+    assert plan.n_args == 4
+    xv = torch.arange(3.0)
+    for step in range(3):
+        (y,) = plan(counter, "ignored", xv, None)
+        torch.testing.assert_close(y, xv + 1)
+    assert counter.item() == 3
+    with pytest.raises(_C.PlanError, match="static input 'counter'"):
+        plan(counter.clone(), None, xv, None)
+
+
+def test_fallback_views_of_per_call_tensors_share_their_storage():
+    seen = []
+
+    def column_sum(reads, writes):
+        seen.append(reads[0].untyped_storage().data_ptr())
+        writes[0].copy_(reads[0].sum(1))
+
+    b = _C.PlanBuilder()
+    x = b.input("x", F32, (3, 4))
+    out = b.output_buffer("out", F32, (2, 2))
+    rows = b.view(x, F32, (2, 4), (4, 1), 16)  # x[1:]
+    col = b.view(out, F32, (2,), (2,), 0)  # out[:, 0]
+    zeros = [_contig(b, out, (2, 2)), b.view(x, F32, (2, 2), (4, 1), 0), None]
+    b.op("binary", zeros, ip=[P["BINARY_MUL"]], fp=[0.0])  # out = 0 * x[:2, :2]
+    b.fallback(column_sum, [rows], [col])
+    b.output(_contig(b, out, (2, 2)))
+    plan = b.finish(2)
+    base = torch.randn(4, 4)
+    xv = base[1:]
+    (o,) = plan(xv)
+    torch.testing.assert_close(o[:, 0], xv[1:].sum(1))
+    torch.testing.assert_close(o[:, 1], torch.zeros(2))
+    assert seen == [base.untyped_storage().data_ptr()]
