@@ -1,8 +1,10 @@
 """Decode steps: what makes a graph one, and the callable that replays it.
 
-A decode step is a CPU inference graph that writes static, non-parameter inputs
-in place (the cache's index_copy_ and the counter's add_ of transformers'
-StaticCache) at one query position. It is lowered to a plan and never given to
+A decode step is a CPU inference graph that writes non-parameter inputs in
+place (the cache's index_copy_ and the counter's add_ of transformers'
+StaticCache) at one query position. The cache is usually marked static, but not
+when the cache was created inside a compiled prefill (model.forward compiled),
+so the mark is not required. It is lowered to a plan and never given to
 Inductor.
 """
 
@@ -14,21 +16,26 @@ from kwker.rewrite import PackedWeight, pack_weights
 aten = torch.ops.aten
 
 
-def static_arg_indices(example_inputs) -> set[int]:
+def static_arg_indices(gm: torch.fx.GraphModule, example_inputs) -> set[int]:
     """Inputs whose memory must be the same on every call: parameters and the
-    tensors Dynamo marked static (module buffers, the KV cache)."""
+    module buffers Dynamo marked static. Not the KV cache: transformers marks it
+    static without an address guard, so a new cache object (the next generate()
+    call) reuses the compiled step, and the plan binds its tensors on each call."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    written = {n.args[0] for n in gm.graph.nodes if n.op == "call_function" and _mutates_first_arg(n)}
     return {
         i
         for i, t in enumerate(example_inputs)
         if isinstance(t, torch.Tensor)
+        and placeholders[i] not in written
         and (isinstance(t, torch.nn.Parameter) or getattr(t, "_dynamo_static_input_type", None) is not None)
     }
+
 
 
 def classify_decode_step(gm: torch.fx.GraphModule, example_inputs) -> str | None:
     """None if gm is a decode step, else why it is not."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    static = static_arg_indices(example_inputs)
     writes = [n for n in gm.graph.nodes if n.op == "call_function" and _mutates_first_arg(n)]
     cache_writes = [n for n in writes if n.target is aten.index_copy_.default]
     if not cache_writes:
@@ -37,9 +44,8 @@ def classify_decode_step(gm: torch.fx.GraphModule, example_inputs) -> str | None
         target = n.args[0]
         if target.op != "placeholder":
             return f"{n.name} writes an intermediate in place"
-        i = placeholders.index(target)
-        if i not in static or isinstance(example_inputs[i], torch.nn.Parameter):
-            return f"{n.name} writes {target.name}, which is not a static non-parameter input"
+        if isinstance(example_inputs[placeholders.index(target)], torch.nn.Parameter):
+            return f"{n.name} writes the parameter {target.name}"
     for n in cache_writes:
         dim, src = n.args[1], n.args[3]
         if src.meta["val"].shape[dim] != 1:
@@ -84,7 +90,7 @@ def _repack(packed: torch.Tensor, weights: list[torch.Tensor]) -> None:
 
 
 def compile_decode_step(gm: torch.fx.GraphModule, example_inputs) -> DecodeStep:
-    plan, report = lower_to_plan(gm, example_inputs, static_arg_indices(example_inputs))
+    plan, report = lower_to_plan(gm, example_inputs, static_arg_indices(gm, example_inputs))
     return DecodeStep(plan, report, gm, example_inputs)
 
 

@@ -6,7 +6,7 @@ import torch
 
 # Small configs, one per architecture the decode path must handle. Each has
 # grouped-query attention where the architecture allows it.
-_SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+_SMALL = dict(vocab_size=64, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
 
 SMALL_CONFIGS = {

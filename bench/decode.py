@@ -1,0 +1,140 @@
+"""Hugging Face generate() decode speed: eager, stock Inductor, kwker, kwker inner="eager".
+
+Random-weight models shaped like SmolLM2-360M, Qwen2.5-0.5B and Llama-3.2-1B
+(nothing downloaded), batch 1, a 32-token prompt, a static cache of 1024
+positions, greedy decoding. Every backend runs in this one process, side by
+side, and the machine's read bandwidth is measured in the same run.
+
+    python bench/decode.py [--quick] --out FILE
+
+Per row: decode tokens/s, first-compile seconds, the ratio to stock Inductor,
+the decode step against the roofline (bytes a step must read ÷ read bandwidth),
+and whether the tokens equal eager's.
+"""
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+import kwker
+from kwker import _C
+from kwker.rewrite.linear import is_bf16_valued
+from kwker.testing import BENCH_CONFIGS, bench_model
+
+BACKENDS = {
+    "eager": None,
+    "inductor": dict(backend="inductor", mode=None),
+    "kwker": dict(backend="kwker", mode=None),
+    "kwker-eager": dict(backend="kwker", mode=None, options={"inner": "eager"}),
+}
+
+
+def generate(model, ids, new_tokens, compile_kwargs, max_cache_len):
+    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                  cache_implementation="static", cache_config={"max_cache_len": max_cache_len})
+    if compile_kwargs is not None:
+        from transformers import CompileConfig
+
+        config = CompileConfig(fullgraph=True, **compile_kwargs)
+        config._compile_all_devices = True
+        kwargs["compile_config"] = config
+    start = time.perf_counter()
+    out = model.generate(ids, **kwargs)
+    return out, time.perf_counter() - start
+
+
+def measure_backend(model, ids, backend, new_tokens, repeats, max_cache_len):
+    """First call (compiles), then the decode time per token as the difference
+    between a full generate and a one-token generate (prefill only), medians."""
+    torch._dynamo.reset()
+    compile_kwargs = BACKENDS[backend]
+    tokens, first = generate(model, ids, new_tokens, compile_kwargs, max_cache_len)
+    full = [generate(model, ids, new_tokens, compile_kwargs, max_cache_len)[1] for _ in range(repeats)]
+    one = [generate(model, ids, 1, compile_kwargs, max_cache_len)[1] for _ in range(repeats)]
+    step_s = (statistics.median(full) - statistics.median(one)) / (new_tokens - 1)
+    return dict(tokens=tokens, step_s=step_s, first_compile_s=max(first - statistics.median(full), 0.0))
+
+
+def bytes_per_step(model, backend, avg_len):
+    """What a decode step must read: every linear weight (kwker reads the bf16
+    copy of a bf16-valued float32 weight) and the valid part of the KV cache."""
+    kwker_packs = backend.startswith("kwker")
+    weights = 0
+    for name, p in model.named_parameters():
+        if p.dim() != 2 or "embed_tokens" in name:
+            continue
+        size = 2 if kwker_packs and (p.dtype == torch.bfloat16 or is_bf16_valued(p)) else p.element_size()
+        weights += p.numel() * size
+    if model.get_output_embeddings().weight is model.get_input_embeddings().weight:
+        w = model.get_output_embeddings().weight
+        weights += w.numel() * (2 if kwker_packs and (w.dtype == torch.bfloat16 or is_bf16_valued(w)) else w.element_size())
+    c = model.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    kv = 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * avg_len * model.dtype.itemsize
+    return weights + kv
+
+
+def run(models, dtypes, new_tokens, repeats, prompt_len=32, max_cache_len=1024):
+    read_gbs = _C.read_bandwidth_gbs(torch.get_num_threads())
+    rows = []
+    for name in models:
+        for dtype_name in dtypes:
+            dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
+            model = bench_model(name, dtype=dtype)
+            ids = torch.randint(0, model.config.vocab_size, (1, prompt_len), generator=torch.Generator().manual_seed(0))
+            results = {b: measure_backend(model, ids, b, new_tokens, repeats, max_cache_len) for b in BACKENDS}
+            ref = results["eager"]["tokens"]
+            for backend, r in results.items():
+                roofline_s = bytes_per_step(model, backend, prompt_len + new_tokens / 2) / (read_gbs * 1e9)
+                rows.append(dict(
+                    model=name, dtype=dtype_name, backend=backend,
+                    tokens_per_s=1.0 / r["step_s"],
+                    first_compile_s=r["first_compile_s"],
+                    ratio_vs_inductor=results["inductor"]["step_s"] / r["step_s"],
+                    roofline_frac=roofline_s / r["step_s"],
+                    tokens_equal=bool(torch.equal(r["tokens"], ref)),
+                ))
+                print(_row_line(rows[-1]), file=sys.stderr, flush=True)
+            del model
+    return dict(read_gbs=read_gbs, threads=torch.get_num_threads(), new_tokens=new_tokens, repeats=repeats,
+                prompt_len=prompt_len, max_cache_len=max_cache_len, torch=torch.__version__,
+                machine=platform.processor() or platform.machine(), isa=_C.cpu_isa(), rows=rows)
+
+
+def _row_line(r):
+    return (f"| {r['model']} | {r['dtype']} | {r['backend']} | {r['tokens_per_s']:.2f} | {r['first_compile_s']:.1f} "
+            f"| {r['ratio_vs_inductor']:.2f} | {r['roofline_frac']:.2f} | {'yes' if r['tokens_equal'] else 'NO'} |")
+
+
+def markdown(result) -> str:
+    lines = [f"read bandwidth {result['read_gbs']:.1f} GB/s, {result['threads']} threads, "
+             f"{result['new_tokens']} new tokens, median of {result['repeats']}", "",
+             "| model | dtype | backend | decode tok/s | first compile s | × inductor | roofline | tokens = eager |",
+             "|---|---|---|---|---|---|---|---|"]
+    return "\n".join(lines + [_row_line(r) for r in result["rows"]])
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="SmolLM2-360M shape only, fp32, 32 new tokens")
+    parser.add_argument("--out", required=True, help="where to write the JSON")
+    parser.add_argument("--models", default=",".join(BENCH_CONFIGS))
+    parser.add_argument("--dtypes", default="fp32,bf16")
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    if args.quick:
+        args.models, args.dtypes, args.new_tokens, args.repeats = "SmolLM2-360M", "fp32", 32, 3
+    result = run(args.models.split(","), args.dtypes.split(","), args.new_tokens, args.repeats)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2)
+    print(markdown(result))
+
+
+if __name__ == "__main__":
+    main()
