@@ -1,19 +1,21 @@
-"""Train the embedded default model: a tiny Llama on Python's own standard library.
+r'''Train the embedded default model: a tiny Llama on Python's own standard library.
 
 The model in ``examples/hf_generate/model/`` is what the example script and the
 token-equality tests run when no other checkpoint is given. It is trained from
 scratch by this script, offline, on text that ships with every Python: the ``.py``
 sources of the standard library (``sysconfig.get_paths()["stdlib"]``, without
-``site-packages``, the regression tests in ``test/`` and ``idlelib/``).
+``site-packages``, the regression tests, ``idlelib/``, the codec tables in ``encodings/``
+and the help prose in ``pydoc_data/``).
 
 What it builds
-  * tokenizer: byte-level BPE (``tokenizers``: ByteLevel pre-tokenizer and decoder),
-    ``--vocab-size`` entries, one special token ``<|endoftext|>`` that is BOS, EOS and
+  * tokenizer: byte-level BPE (``tokenizers``: a code-aware regex split, then the
+    ByteLevel pre-tokenizer; ByteLevel decoder), ``--vocab-size`` entries, one special token ``<|endoftext|>`` that is BOS, EOS and
     PAD at once; the tokenizer prepends it to every encoded text, as every training
     file was preceded by it.
   * model: ``LlamaForCausalLM``, grouped-query attention (``--heads`` query heads share
     ``--kv-heads`` key/value heads), ``--layers`` layers, tied input/output embeddings,
-    trained in float32 and saved in bfloat16 (safetensors).
+    float32 master weights trained under bfloat16 autocast, saved in bfloat16
+    (safetensors).
 
 How it trains
   Files are read in sorted path order, tokenized, and joined with ``<|endoftext|>``;
@@ -35,17 +37,34 @@ Arguments (all optional; the defaults made the committed model)
   --heads N           query heads (8)
   --kv-heads N        key/value heads (2)
   --seq-len N         training window in tokens (256)
-  --batch-size N      windows per step (16)
-  --steps N           optimizer steps (STEPS_DEFAULT below)
-  --warmup N          warm-up steps (WARMUP_DEFAULT below)
-  --lr X              peak learning rate (LR_DEFAULT below)
+  --batch-size N      windows per step (8)
+  --steps N           optimizer steps (2000)
+  --warmup N          warm-up steps (100)
+  --lr X              peak learning rate (2e-3)
   --seed N            seed for weights and batch positions (0)
   --threads N         torch threads (2)
-  --log-every N       steps between loss lines (LOG_EVERY_DEFAULT below)
+  --log-every N       steps between loss lines (50)
 
-Result of the committed run (2 shared cores, Xeon with AVX-512, torch 2.13.0 CPU):
-  RESULT_PLACEHOLDER
-"""
+Result of the committed run (2 cores of an AMD EPYC with AVX-512 BF16, shared with other
+jobs; Python 3.11.7, torch 2.13.0 CPU, transformers 5.24.0, tokenizers 0.23.3):
+  549 files, 9.1 M characters -> 2.67 M training tokens (0.02 M validation);
+  4.07 M parameters; 2000 steps x 8 x 256 tokens = 4.1 M tokens (about 1.5 epochs)
+  at ~5,400 tokens/s: training 12.5 min, 12.6 min in all.
+  Final training loss 2.97 (smoothed), validation loss 3.26 nats/token (0.95 nats/char).
+  8.4 MB on disk. Greedy, from "def fibonacci(n):\n":
+      def fibonacci(n):
+          """
+          Return the current file for the current file file to the file file.
+          """
+          if not isinstance(p, str):
+              return None
+  Two runs on the same machine give byte-identical files (checked with --steps 30);
+  another Python version has other stdlib sources and so gives another model.
+
+Things that mattered (same ~3-4 M token budget): 8 windows a step rather than 16
+(validation 1.01 vs 1.07 nats/char), leaving out the codec tables and pydoc prose, and
+the code pre-tokenizer (prompts ending in "\n" are then followed by an indented body).
+'''
 
 import argparse
 import math
@@ -56,12 +75,24 @@ import time
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GenerationConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+)
 
 SPECIAL_TOKEN = "<|endoftext|>"
-STEPS_DEFAULT = 1200
-WARMUP_DEFAULT = 60
+# Pre-tokenizer split for code (the ByteLevel step after it maps bytes, no regex):
+# newlines apart from the indentation after them, words keep "_" and take the space
+# *after* them. So prompts that end the usual ways ("...:\n", "\n    ", "def ") end on a
+# token boundary seen in training, which GPT-2's split (" word", "\n   " + " word") breaks.
+CODE_PRETOKENIZE_PATTERN = r"[\r\n]+|[\p{L}_][\p{L}\p{N}_]* ?|\p{N}+ ?|[^\s\p{L}\p{N}_]+ ?|[ \t]+|\s+"
+STEPS_DEFAULT = 2000
+WARMUP_DEFAULT = 100
 LR_DEFAULT = 2e-3
 LOG_EVERY_DEFAULT = 50
 VALIDATION_EVERY_NTH_FILE = 50
@@ -69,7 +100,7 @@ SAMPLE_PROMPTS = ("def fibonacci(n):\n", "import os\n\n\ndef ")
 
 
 def parse_args():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "model")
     parser.add_argument("--vocab-size", type=int, default=4096)
     parser.add_argument("--hidden", type=int, default=256)
@@ -78,7 +109,7 @@ def parse_args():
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--kv-heads", type=int, default=2)
     parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--steps", type=int, default=STEPS_DEFAULT)
     parser.add_argument("--warmup", type=int, default=WARMUP_DEFAULT)
     parser.add_argument("--lr", type=float, default=LR_DEFAULT)
@@ -91,7 +122,8 @@ def parse_args():
 def stdlib_source_files():
     """The standard library's .py files in a fixed (sorted) order."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    skipped_dirs = {"site-packages", "dist-packages", "test", "tests", "idlelib", "__pycache__"}
+    # not code to learn from: regression tests, IDLE, codec tables (encodings/), help prose (pydoc_data/)
+    skipped_dirs = {"site-packages", "dist-packages", "test", "tests", "idlelib", "encodings", "pydoc_data", "__pycache__"}
     files = []
     for path in sorted(root.rglob("*.py")):
         relative = path.relative_to(root)
@@ -113,7 +145,10 @@ def read_texts(files):
 
 def train_tokenizer(texts, vocab_size):
     tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(CODE_PRETOKENIZE_PATTERN), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
@@ -185,7 +220,8 @@ def make_optimizer(model, lr):
 
 
 def next_token_loss(model, inputs, targets):
-    logits = model(input_ids=inputs).logits
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # about twice fp32's speed on AVX512-BF16 CPUs
+        logits = model(input_ids=inputs).logits
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
@@ -241,8 +277,7 @@ def save(model, tokenizer, out):
 
 @torch.no_grad()
 def print_samples(out):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+    """Greedy continuations, from the saved files (bfloat16) as a user would load them."""
     tokenizer = AutoTokenizer.from_pretrained(out)
     model = AutoModelForCausalLM.from_pretrained(out).eval()
     for prompt in SAMPLE_PROMPTS:
@@ -273,7 +308,9 @@ def main():
           f"{args.steps} steps x {args.batch_size} x {args.seq_len} tokens", flush=True)
     train_loss, val_loss, train_seconds = train(model, train_stream, val_stream, args)
     size = save(model, tokenizer, args.out)
-    print(f"final train loss {train_loss:.3f}, validation loss {val_loss:.3f}; "
+    val_tokens_per_char = len(val_stream) / sum(map(len, val_texts))
+    print(f"final train loss {train_loss:.3f}, validation loss {val_loss:.3f} "
+          f"({val_loss * val_tokens_per_char:.3f} nats/char); "
           f"training {train_seconds / 60:.1f} min, total {(time.time() - total_start) / 60:.1f} min; "
           f"saved {size / 1e6:.1f} MB to {args.out}", flush=True)
     print_samples(args.out)
