@@ -31,6 +31,54 @@ typedef enum kw_op_id {
     KW_OP_COUNT
 } kw_op_id;
 
+/* Values of the integer parameters (kw_call.ip) of ops that take a mode. Each
+ * op's slots and parameters are listed where its kw_op_info is defined. */
+enum {
+    KW_NORM_GEMMA = 1, /* rms_norm, add_rms_norm ip[0] flag: (x̂ * (1 + w)).to(dtype) */
+};
+enum {
+    KW_ROPE_HALF = 0,        /* rotary ip[0]: HF rotate_half, pairs (i, i + r/2) */
+    KW_ROPE_INTERLEAVED = 1, /* rotary ip[0]: pairs (2i, 2i + 1) */
+};
+enum {
+    KW_GELU_ERF = 0, /* gelu ip[0]: approximate="none" */
+    KW_GELU_TANH = 1 /* gelu ip[0]: approximate="tanh" */
+};
+#define KW_BINARY_OPS(X) \
+    X(ADD, add)          \
+    X(SUB, sub)          \
+    X(MUL, mul)          \
+    X(DIV, div)          \
+    X(MAX, maximum)      \
+    X(MIN, minimum)
+typedef enum kw_binary_op { /* binary ip[0] */
+#define KW__BINARY_ENUM(id, name) KW_BINARY_##id,
+    KW_BINARY_OPS(KW__BINARY_ENUM)
+#undef KW__BINARY_ENUM
+    KW_BINARY_COUNT
+} kw_binary_op;
+
+/* linear and linear_multi read weights in PyTorch's [N, K] layout, or K-blocked:
+ * [K / B, N, B], element [kb, n, j] = W[n, kb·B + j], made once at capture by
+ * w.view(N, K // B, B).transpose(0, 1).contiguous(). Blocked, each block's slice
+ * of the activations stays in L1 while the weights stream through it: with
+ * [2048, 8192] weights and f32 activations (32 KiB, the whole L1) the plain
+ * layout streamed at 0.35-0.38 of the read bandwidth here, the blocked one at
+ * 0.7-0.8 (0.85-0.9 for [N, 2048] rows, which need no blocking).
+ * kw_linear_block(K) is the B to use for inner size K, or 0 where [N, K] is as
+ * fast. */
+#define KW_LINEAR_BLOCK 2048
+int64_t kw_linear_block(int64_t K);
+
+/* From this many rows of x on, matmul_dnnl (oneDNN) beat linear on the machine
+ * kwker is developed on (2 Zen 4 cores; bench/ops.py, "dnnl_crossover" in
+ * bench/README.md); below it use linear. f32 × bf16 has no oneDNN path: linear
+ * at every M. */
+enum {
+    KW_DNNL_MIN_M_F32 = 4,  /* f32 x, f32 weights */
+    KW_DNNL_MIN_M_BF16 = 8, /* bf16 x, bf16 weights */
+};
+
 /* How an op touches a tensor slot; capture's liveness and validation read this. */
 #define KW_READ 'r'
 #define KW_WRITE 'w'

@@ -1,0 +1,125 @@
+/* attention: one decode step of scaled dot-product attention over a static KV
+ * cache, F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask,
+ * scale=scale, enable_gqa=True) for q of one position.
+ *
+ * Query head h reads cache head h / (Hq / Hkv) in place: no K/V is copied per
+ * head (HF's repeat_kv). Only positions the mask keeps are read (bool mask: true;
+ * additive mask: above bfloat16's finfo.min), so the cost follows the valid
+ * length, not S. Scores dot(q, k) * scale + additive mask, softmax with the max
+ * subtracted, all in f32, as PyTorch's CPU flash attention computes them; like
+ * it, the probabilities are rounded to the cache's dtype before they multiply V
+ * (their sum is not), and the output is Σ p·v times 1 / Σ p, rounded once to its
+ * dtype. A row with no valid position gives zeros. Threads split the B·Hq query heads; heads sharing a
+ * cache head are done together so each K/V row is read once per thread. */
+#include "attention.h"
+
+static int attn_from_call(const kw_call *c, kw__attn *a, char *msg, size_t len) {
+    const kw_tensor *o = &c->t[0], *q = &c->t[1], *k = &c->t[2], *v = &c->t[3], *m = &c->t[4];
+    memset(a, 0, sizeof *a);
+    if (!kw__present(q) || !kw__is_float(q->dtype) || q->ndim != 4 || q->shape[2] != 1 ||
+        (q->shape[3] > 1 && q->stride[3] != 1))
+        return kw__fail(msg, len, KW_ESHAPE, "attention: q must be float32 or bfloat16 [B, Hq, 1, D] with contiguous D (got %s)",
+                        kw__shape(q).s);
+    a->B = q->shape[0], a->Hq = q->shape[1], a->D = q->shape[3];
+    if (!kw__present(k) || !kw__is_float(k->dtype) || k->ndim != 4 || k->shape[0] != a->B || k->shape[3] != a->D ||
+        k->shape[1] < 1 || a->Hq % k->shape[1] || (a->D > 1 && k->stride[3] != 1))
+        return kw__fail(msg, len, KW_ESHAPE,
+                        "attention: k_cache must be float32 or bfloat16 [B, Hkv, S, D] with Hq %% Hkv == 0, D == %lld and "
+                        "contiguous D (got %s)", (long long)a->D, kw__shape(k).s);
+    a->Hkv = k->shape[1], a->S = k->shape[2], a->G = a->Hq / a->Hkv;
+    if (!kw__present(v) || !kw__is_float(v->dtype) || v->ndim != 4 || v->shape[0] != a->B || v->shape[1] != a->Hkv ||
+        v->shape[2] != a->S || (v->shape[3] > 1 && v->stride[3] != 1))
+        return kw__fail(msg, len, KW_ESHAPE, "attention: v_cache must be float32 or bfloat16 [B, Hkv, S, Dv] like k_cache %s (got %s)",
+                        kw__shape(k).s, kw__shape(v).s);
+    a->Dv = v->shape[3];
+    if (!kw__present(o) || o->dtype != q->dtype || o->ndim != 4 || o->shape[0] != a->B || o->shape[1] != a->Hq ||
+        o->shape[2] != 1 || o->shape[3] != a->Dv || (a->Dv > 1 && o->stride[3] != 1))
+        return kw__fail(msg, len, KW_ESHAPE, "attention: out must be %s [B, Hq, 1, Dv] = [%lld, %lld, 1, %lld] (got %s)",
+                        kw_dtype_name(q->dtype), (long long)a->B, (long long)a->Hq, (long long)a->Dv, kw__shape(o).s);
+    if (kw__present(m)) {
+        if ((m->dtype != KW_BOOL && !kw__is_float(m->dtype)) || m->ndim != 4 || (m->shape[0] != a->B && m->shape[0] != 1) ||
+            m->shape[1] != 1 || m->shape[2] != 1 || m->shape[3] != a->S || (a->S > 1 && m->stride[3] != 1))
+            return kw__fail(msg, len, KW_ESHAPE,
+                            "attention: mask must be bool, float32 or bfloat16 [B or 1, 1, 1, S = %lld] with contiguous S (got %s)",
+                            (long long)a->S, kw__shape(m).s);
+        a->mask = m->data, a->mt = m->dtype, a->ms = m->shape[0] == 1 ? 0 : m->stride[0];
+    }
+    a->o = o->data, a->q = q->data, a->k = k->data, a->v = v->data;
+    a->ot = o->dtype, a->qt = q->dtype, a->kt = k->dtype, a->vt = v->dtype;
+    for (int d = 0; d < 2; d++) a->os[d] = o->stride[d], a->qs[d] = q->stride[d];
+    for (int d = 0; d < 3; d++) a->ks[d] = k->stride[d], a->vs[d] = v->stride[d];
+    a->scale = (float)c->fp[0];
+    return 0;
+}
+
+static int64_t scan_scalar(const kw__attn *a, int64_t b, int32_t *pos) {
+    const char *mrow = kw__attn_mask_row(a, b);
+    int64_t n = 0;
+    for (int64_t s = 0; s < a->S; s++)
+        if (!mrow || kw__attn_keep(a, mrow, s)) pos[n++] = (int32_t)s;
+    return n;
+}
+
+void kw__attention_heads_scalar(const kw__attn *a, int64_t h0, int64_t h1, void *work) {
+    const kw__attn_scratch w = kw__attn_carve(a, work);
+    int64_t cur_b = -1, n = 0;
+    for (int64_t bh = h0; bh < h1; bh++) {
+        const int64_t b = bh / a->Hq, h = bh % a->Hq, kh = h / a->G;
+        if (b != cur_b) n = scan_scalar(a, b, w.pos), cur_b = b;
+        const char *mrow = kw__attn_mask_row(a, b);
+        const int64_t qo = b * a->qs[0] + h * a->qs[1], oo = b * a->os[0] + h * a->os[1];
+        float m = -INFINITY, sum = 0.0f;
+        for (int64_t j = 0; j < n; j++) {
+            const int64_t ko = b * a->ks[0] + kh * a->ks[1] + w.pos[j] * a->ks[2];
+            float dot = 0.0f;
+            for (int64_t d = 0; d < a->D; d++) dot += kw__ldf(a->q, qo + d, a->qt) * kw__ldf(a->k, ko + d, a->kt);
+            w.scores[j] = dot * a->scale + kw__attn_bias(a, mrow, w.pos[j]);
+            m = fmaxf(m, w.scores[j]);
+        }
+        for (int64_t d = 0; d < a->Dv; d++) w.acc[d] = 0.0f;
+        for (int64_t j = 0; j < n; j++) {
+            const float p = expf(w.scores[j] - m);
+            const int64_t vo = b * a->vs[0] + kh * a->vs[1] + w.pos[j] * a->vs[2];
+            const float pv = kw__round_to(p, a->vt);
+            sum += p;
+            for (int64_t d = 0; d < a->Dv; d++) w.acc[d] += pv * kw__ldf(a->v, vo + d, a->vt);
+        }
+        const float inv = n ? 1.0f / sum : 0.0f;
+        for (int64_t d = 0; d < a->Dv; d++) kw__stf(a->o, oo + d, a->ot, w.acc[d] * inv);
+    }
+}
+
+static int attention_check(const kw_call *c, char *msg, size_t len) {
+    kw__attn a;
+    return attn_from_call(c, &a, msg, len);
+}
+
+static size_t attention_work(const kw_call *c) {
+    kw__attn a;
+    return attn_from_call(c, &a, NULL, 0) ? 0 : kw__attn_work_size(&a);
+}
+
+static void attention_run(const kw_call *c, int ith, int nth, kw__attn_fn heads) {
+    kw__attn a;
+    int64_t h0, h1;
+    if (attn_from_call(c, &a, NULL, 0)) return; /* capture checked it */
+    kw__split(a.B * a.Hq, 1, ith, nth, &h0, &h1);
+    if (h0 < h1) heads(&a, h0, h1, kw__work(c, ith));
+}
+
+static void attention_scalar(const kw_call *c, int ith, int nth) { attention_run(c, ith, nth, kw__attention_heads_scalar); }
+static void attention_avx2(const kw_call *c, int ith, int nth) { attention_run(c, ith, nth, kw__attention_heads_avx2); }
+static void attention_avx512(const kw_call *c, int ith, int nth) { attention_run(c, ith, nth, kw__attention_heads_avx512); }
+
+/* Slots out [B, Hq, 1, Dv], q [B, Hq, 1, D], k_cache [B, Hkv, S, D],
+ * v_cache [B, Hkv, S, Dv], mask [B or 1, 1, 1, S] (optional; bool or additive);
+ * fp[0] scale. */
+const kw_op_info kw_op_info_attention = {
+    .name = "attention",
+    .n_tensors = 5,
+    .arg = {{"out", KW_WRITE, 0}, {"q", KW_READ, 0}, {"k_cache", KW_READ, 0}, {"v_cache", KW_READ, 0}, {"mask", KW_READ, 1}},
+    .n_fp = 1,
+    .check = attention_check,
+    .work_size = attention_work,
+    .kernel = {[KW_ISA_SCALAR] = attention_scalar, [KW_ISA_AVX2] = attention_avx2, [KW_ISA_AVX512] = attention_avx512},
+};

@@ -1,0 +1,286 @@
+/* Elementwise ops over strided tensors with broadcasting (any rank up to
+ * KW_MAX_DIMS; dims contiguous in every operand are merged first): inputs are
+ * broadcast to y's shape as in PyTorch (missing or size-1 dims repeat).
+ * Computation is in f32 with one rounding to y's dtype, as ATen does for bf16,
+ * except where eager rounds an intermediate (silu_mul rounds silu to the gate's
+ * dtype). y may be the same memory as an input of its shape (in place). Threads
+ * split the flat index space.
+ *
+ *   binary   y = a (op) b, op = ip[0] (kw_binary_op); b absent: b = fp[0].
+ *            F32/BF16 (y has the promoted dtype), or I64 throughout
+ *            (add, sub, mul, maximum, minimum; wrapping like PyTorch).
+ *   silu_mul y = F.silu(gate) * up: silu rounded to gate's dtype, then the product
+ *            rounded to y's (the promoted dtype of gate and up).
+ *   gelu     y = F.gelu(x, approximate=...), ip[0] KW_GELU_ERF or KW_GELU_TANH.
+ *   convert  y = x.to(y.dtype) for any two dtypes. Float to int64/int32 truncates
+ *            and saturates (NaN gives 0) where PyTorch leaves it undefined; to
+ *            uint8 it goes through int64 and wraps, as PyTorch does (-1.0 -> 255). */
+#include "eltwise.h"
+
+static kw_dtype promote(kw_dtype a, kw_dtype b) { return a == KW_F32 || b == KW_F32 ? KW_F32 : a; }
+
+static int need(const kw_tensor *t, const char *op, const char *slot, int floats_only, char *msg, size_t len) {
+    if (!kw__present(t) || (floats_only && !kw__is_float(t->dtype)))
+        return kw__fail(msg, len, KW_EDTYPE, "%s: %s must be %s (got %s)", op, slot,
+                        floats_only ? "float32 or bfloat16" : "present", kw__shape(t).s);
+    return 0;
+}
+
+static int ew_init(kw__ew *e, const kw_call *c, int n_in, const char *op, char *msg, size_t len) {
+    const kw_tensor *ops[3] = {&c->t[0], &c->t[1], &c->t[2]};
+    if (!kw__nd_init(&e->nd, ops, n_in + 1))
+        return kw__fail(msg, len, KW_ESHAPE, "%s: inputs %s%s%s must broadcast to y %s", op, kw__shape(ops[1]).s,
+                        n_in > 1 ? " and " : "", n_in > 1 ? kw__shape(ops[2]).s : "", kw__shape(ops[0]).s);
+    e->y = c->t[0].data, e->a = c->t[1].data, e->b = n_in > 1 ? c->t[2].data : NULL;
+    e->yt = c->t[0].dtype, e->at = c->t[1].dtype, e->bt = n_in > 1 ? c->t[2].dtype : e->at;
+    return 0;
+}
+
+/* ---- binary ---- */
+
+static int binary_from_call(const kw_call *c, kw__ew *e, char *msg, size_t len) {
+    const kw_tensor *y = &c->t[0], *a = &c->t[1], *b = &c->t[2];
+    const int has_b = kw__present(b), ints = a->dtype == KW_I64;
+    int err;
+    memset(e, 0, sizeof *e);
+    if (c->ip[0] < 0 || c->ip[0] >= KW_BINARY_COUNT || (ints && c->ip[0] == KW_BINARY_DIV))
+        return kw__fail(msg, len, KW_EINVAL, "binary: ip[0] must be a kw_binary_op, not div for int64 (got %lld)",
+                        (long long)c->ip[0]);
+    if ((err = need(y, "binary", "y", !ints, msg, len)) || (err = need(a, "binary", "a", !ints, msg, len)) ||
+        (has_b && (err = need(b, "binary", "b", !ints, msg, len))))
+        return err;
+    const kw_dtype yt = ints ? KW_I64 : has_b ? promote(a->dtype, b->dtype) : a->dtype;
+    if (y->dtype != yt || (ints && has_b && b->dtype != KW_I64))
+        return kw__fail(msg, len, KW_EDTYPE, "binary: y must be %s, and int64 mixes with no other dtype (got y %s, b %s)",
+                        kw_dtype_name(yt), kw__shape(y).s, kw__shape(b).s);
+    if ((err = ew_init(e, c, has_b ? 2 : 1, "binary", msg, len))) return err;
+    e->mode = (int)c->ip[0];
+    e->scalar = c->fp[0];
+    return 0;
+}
+
+static void binary_int(const kw__ew *e, int ith, int nth) {
+    const int last = e->nd.ndim - 1;
+    kw__nd_it it = kw__nd_share(&e->nd, ith, nth);
+    int64_t off[3], n;
+    while (kw__nd_next(&e->nd, &it, off, &n)) {
+        const int64_t *a = (const int64_t *)e->a + off[1], *b = e->b ? (const int64_t *)e->b + off[2] : NULL;
+        int64_t *y = (int64_t *)e->y + off[0];
+        for (int64_t i = 0; i < n; i++) {
+            const uint64_t x = (uint64_t)a[i * e->nd.stride[1][last]];
+            const uint64_t z = b ? (uint64_t)b[i * e->nd.stride[2][last]] : (uint64_t)(int64_t)e->scalar;
+            uint64_t r;
+            switch (e->mode) {
+            case KW_BINARY_ADD: r = x + z; break;
+            case KW_BINARY_SUB: r = x - z; break;
+            case KW_BINARY_MUL: r = x * z; break;
+            case KW_BINARY_MAX: r = (int64_t)x > (int64_t)z ? x : z; break;
+            default: r = (int64_t)x < (int64_t)z ? x : z; break;
+            }
+            y[i * e->nd.stride[0][last]] = (int64_t)r;
+        }
+    }
+}
+
+void kw__binary_share_scalar(const kw__ew *e, int ith, int nth) {
+    if (e->yt == KW_I64) {
+        binary_int(e, ith, nth);
+        return;
+    }
+    const int last = e->nd.ndim - 1;
+    kw__nd_it it = kw__nd_share(&e->nd, ith, nth);
+    int64_t off[3], n;
+    while (kw__nd_next(&e->nd, &it, off, &n))
+        for (int64_t i = 0; i < n; i++) {
+            const float a = kw__ldf(e->a, off[1] + i * e->nd.stride[1][last], e->at);
+            const float b = e->b ? kw__ldf(e->b, off[2] + i * e->nd.stride[2][last], e->bt) : (float)e->scalar;
+            kw__stf(e->y, off[0] + i * e->nd.stride[0][last], e->yt, kw__binary_f(e->mode, a, b));
+        }
+}
+
+/* ---- silu_mul ---- */
+
+static int silu_mul_from_call(const kw_call *c, kw__ew *e, char *msg, size_t len) {
+    int err;
+    memset(e, 0, sizeof *e);
+    if ((err = need(&c->t[0], "silu_mul", "y", 1, msg, len)) || (err = need(&c->t[1], "silu_mul", "gate", 1, msg, len)) ||
+        (err = need(&c->t[2], "silu_mul", "up", 1, msg, len)))
+        return err;
+    const kw_dtype yt = promote(c->t[1].dtype, c->t[2].dtype);
+    if (c->t[0].dtype != yt)
+        return kw__fail(msg, len, KW_EDTYPE, "silu_mul: y must be %s, the promoted dtype of gate and up (got %s)",
+                        kw_dtype_name(yt), kw__shape(&c->t[0]).s);
+    return ew_init(e, c, 2, "silu_mul", msg, len);
+}
+
+void kw__silu_mul_share_scalar(const kw__ew *e, int ith, int nth) {
+    const int last = e->nd.ndim - 1;
+    kw__nd_it it = kw__nd_share(&e->nd, ith, nth);
+    int64_t off[3], n;
+    while (kw__nd_next(&e->nd, &it, off, &n))
+        for (int64_t i = 0; i < n; i++) {
+            const float g = kw__ldf(e->a, off[1] + i * e->nd.stride[1][last], e->at);
+            const float u = kw__ldf(e->b, off[2] + i * e->nd.stride[2][last], e->bt);
+            kw__stf(e->y, off[0] + i * e->nd.stride[0][last], e->yt, kw__round_to(kw__silu(g), e->at) * u);
+        }
+}
+
+/* ---- gelu ---- */
+
+static int gelu_from_call(const kw_call *c, kw__ew *e, char *msg, size_t len) {
+    int err;
+    memset(e, 0, sizeof *e);
+    if ((err = need(&c->t[0], "gelu", "y", 1, msg, len)) || (err = need(&c->t[1], "gelu", "x", 1, msg, len))) return err;
+    if (c->t[0].dtype != c->t[1].dtype)
+        return kw__fail(msg, len, KW_EDTYPE, "gelu: y must have x's dtype %s (got %s)", kw_dtype_name(c->t[1].dtype),
+                        kw__shape(&c->t[0]).s);
+    if (c->ip[0] != KW_GELU_ERF && c->ip[0] != KW_GELU_TANH)
+        return kw__fail(msg, len, KW_EINVAL, "gelu: ip[0] must be KW_GELU_ERF or KW_GELU_TANH (got %lld)",
+                        (long long)c->ip[0]);
+    e->mode = (int)c->ip[0];
+    return ew_init(e, c, 1, "gelu", msg, len);
+}
+
+/* ATen's scalar formulas (activation.cpp): kAlpha = M_SQRT1_2,
+ * kBeta = M_SQRT2 * M_2_SQRTPI * 0.5, kKappa = 0.044715. */
+static float gelu_f(float x, int mode) {
+    if (mode == KW_GELU_ERF) return x * 0.5f * (1.0f + erff(x * 0.70710678118654752f));
+    const float inner = 0.79788456080286536f * (x + 0.044715f * (x * x * x));
+    return 0.5f * x * (1.0f + tanhf(inner));
+}
+
+void kw__gelu_share_scalar(const kw__ew *e, int ith, int nth) {
+    const int last = e->nd.ndim - 1;
+    kw__nd_it it = kw__nd_share(&e->nd, ith, nth);
+    int64_t off[2], n;
+    while (kw__nd_next(&e->nd, &it, off, &n))
+        for (int64_t i = 0; i < n; i++)
+            kw__stf(e->y, off[0] + i * e->nd.stride[0][last], e->yt,
+                    gelu_f(kw__ldf(e->a, off[1] + i * e->nd.stride[1][last], e->at), e->mode));
+}
+
+/* ---- convert ---- */
+
+static int convert_from_call(const kw_call *c, kw__ew *e, char *msg, size_t len) {
+    int err;
+    memset(e, 0, sizeof *e);
+    if ((err = need(&c->t[0], "convert", "y", 0, msg, len)) || (err = need(&c->t[1], "convert", "x", 0, msg, len)))
+        return err;
+    return ew_init(e, c, 1, "convert", msg, len);
+}
+
+static int is_floatish(kw_dtype dt) { return dt == KW_F32 || dt == KW_BF16 || dt == KW_F16; }
+
+static int64_t ld_int(const void *p, int64_t i, kw_dtype dt) {
+    switch (dt) {
+    case KW_I64: return ((const int64_t *)p)[i];
+    case KW_I32: return ((const int32_t *)p)[i];
+    default: return ((const uint8_t *)p)[i]; /* U8, BOOL */
+    }
+}
+
+static void st_int(void *p, int64_t i, kw_dtype dt, int64_t v) {
+    switch (dt) {
+    case KW_I64: ((int64_t *)p)[i] = v; break;
+    case KW_I32: ((int32_t *)p)[i] = (int32_t)(uint32_t)(uint64_t)v; break; /* wraps, as PyTorch */
+    case KW_BOOL: ((uint8_t *)p)[i] = v != 0; break;
+    default: ((uint8_t *)p)[i] = (uint8_t)(uint64_t)v; break;
+    }
+}
+
+/* f32 to an integer dtype: truncation saturated to int64 (int32 for int32), NaN
+ * to 0; to bool: x != 0. */
+static int64_t f_to_int(float v, kw_dtype dt) {
+    if (dt == KW_BOOL) return v != 0.0f;
+    if (v != v) return 0;
+    const float hi = dt == KW_I32 ? 2147483648.0f : 9223372036854775808.0f;
+    if (v >= hi) return dt == KW_I32 ? INT32_MAX : INT64_MAX;
+    if (v < -hi) return dt == KW_I32 ? INT32_MIN : INT64_MIN;
+    return (int64_t)v;
+}
+
+static void convert_one(const kw__ew *e, int64_t yo, int64_t xo) {
+    if (is_floatish(e->at)) {
+        const float v = kw__ldf(e->a, xo, e->at);
+        if (is_floatish(e->yt))
+            kw__stf(e->y, yo, e->yt, v);
+        else
+            st_int(e->y, yo, e->yt, f_to_int(v, e->yt));
+    } else {
+        const int64_t v = ld_int(e->a, xo, e->at);
+        if (is_floatish(e->yt))
+            kw__stf(e->y, yo, e->yt, (float)v);
+        else
+            st_int(e->y, yo, e->yt, v);
+    }
+}
+
+void kw__convert_share_scalar(const kw__ew *e, int ith, int nth) {
+    const int last = e->nd.ndim - 1;
+    kw__nd_it it = kw__nd_share(&e->nd, ith, nth);
+    int64_t off[2], n;
+    while (kw__nd_next(&e->nd, &it, off, &n))
+        for (int64_t i = 0; i < n; i++)
+            convert_one(e, off[0] + i * e->nd.stride[0][last], off[1] + i * e->nd.stride[1][last]);
+}
+
+/* ---- ops ---- */
+
+#define KW__EW_OP(name)                                                                                     \
+    static int name##_check(const kw_call *c, char *msg, size_t len) {                                       \
+        kw__ew e;                                                                                            \
+        return name##_from_call(c, &e, msg, len);                                                            \
+    }                                                                                                        \
+    static void name##_run(const kw_call *c, int ith, int nth, kw__ew_fn share) {                            \
+        kw__ew e;                                                                                            \
+        if (!name##_from_call(c, &e, NULL, 0)) share(&e, ith, nth); /* capture checked it */               \
+    }                                                                                                        \
+    static void name##_scalar(const kw_call *c, int ith, int nth) { name##_run(c, ith, nth, kw__##name##_share_scalar); } \
+    static void name##_avx2(const kw_call *c, int ith, int nth) { name##_run(c, ith, nth, kw__##name##_share_avx2); }     \
+    static void name##_avx512(const kw_call *c, int ith, int nth) { name##_run(c, ith, nth, kw__##name##_share_avx512); }
+KW__EW_OP(binary)
+KW__EW_OP(silu_mul)
+KW__EW_OP(gelu)
+KW__EW_OP(convert)
+
+#define KW__EW_KERNELS(name) \
+    {[KW_ISA_SCALAR] = name##_scalar, [KW_ISA_AVX2] = name##_avx2, [KW_ISA_AVX512] = name##_avx512}
+
+/* Slots y, a, b (optional); ip[0] kw_binary_op; fp[0] b when b is absent. */
+const kw_op_info kw_op_info_binary = {
+    .name = "binary",
+    .n_tensors = 3,
+    .arg = {{"y", KW_WRITE, 0}, {"a", KW_READ, 0}, {"b", KW_READ, 1}},
+    .n_ip = 1,
+    .n_fp = 1,
+    .check = binary_check,
+    .kernel = KW__EW_KERNELS(binary),
+};
+
+/* Slots y, gate, up. */
+const kw_op_info kw_op_info_silu_mul = {
+    .name = "silu_mul",
+    .n_tensors = 3,
+    .arg = {{"y", KW_WRITE, 0}, {"gate", KW_READ, 0}, {"up", KW_READ, 0}},
+    .check = silu_mul_check,
+    .kernel = KW__EW_KERNELS(silu_mul),
+};
+
+/* Slots y, x; ip[0] KW_GELU_ERF or KW_GELU_TANH. */
+const kw_op_info kw_op_info_gelu = {
+    .name = "gelu",
+    .n_tensors = 2,
+    .arg = {{"y", KW_WRITE, 0}, {"x", KW_READ, 0}},
+    .n_ip = 1,
+    .check = gelu_check,
+    .kernel = KW__EW_KERNELS(gelu),
+};
+
+/* Slots y, x (x broadcast to y; also a plain strided copy when dtypes match). */
+const kw_op_info kw_op_info_convert = {
+    .name = "convert",
+    .n_tensors = 2,
+    .arg = {{"y", KW_WRITE, 0}, {"x", KW_READ, 0}},
+    .check = convert_check,
+    .kernel = KW__EW_KERNELS(convert),
+};

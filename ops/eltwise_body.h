@@ -1,0 +1,119 @@
+/* eltwise_body.h — binary, silu_mul, gelu and convert over simd.h, built per ISA
+ * by eltwise_avx2.c and eltwise_avx512.c. Vector code runs where y's inner
+ * stride is 1 and each input's is 1 or 0 (broadcast); other layouts, integer
+ * dtypes and f16 go to the scalar references in eltwise.c. */
+#include "eltwise.h"
+#include "simd.h"
+
+/* n (<= KW_VW) elements of an input at element offset o + i, inner stride s (0 or 1). */
+static inline kw_v ldv(const void *p, int64_t o, int64_t i, int64_t n, int64_t s, kw_dtype dt) {
+    if (!s) return kw_v_set1(kw__ldf(p, o, dt));
+    return n == KW_VW ? kw_v_ld(p, o + i, dt) : kw_v_ldn(p, o + i, n, dt);
+}
+
+static inline void stv(void *p, int64_t o, int64_t n, kw_dtype dt, kw_v v) {
+    if (n == KW_VW)
+        kw_v_st(p, o, dt, v);
+    else
+        kw_v_stn(p, o, n, dt, v);
+}
+
+/* Inner strides: 1 for y, 0 or 1 for each input, float dtypes only. */
+static int vector_ok(const kw__ew *e) {
+    const int last = e->nd.ndim - 1;
+    if (!kw__is_float(e->yt) || !kw__is_float(e->at) || (e->b && !kw__is_float(e->bt))) return 0;
+    if (e->nd.stride[0][last] != 1 && e->nd.inner > 1) return 0;
+    for (int k = 1; k < e->nd.n_ops; k++)
+        if (e->nd.stride[k][last] > 1 || e->nd.stride[k][last] < 0) return 0;
+    return 1;
+}
+
+static inline kw_v binary_v(int op, kw_v a, kw_v b) {
+    switch (op) {
+    case KW_BINARY_ADD: return kw_v_add(a, b);
+    case KW_BINARY_SUB: return kw_v_sub(a, b);
+    case KW_BINARY_MUL: return kw_v_mul(a, b);
+    case KW_BINARY_DIV: return kw_v_div(a, b);
+    case KW_BINARY_MAX: return kw_v_nan_or(a, b, kw_v_max(a, b));
+    default: return kw_v_nan_or(a, b, kw_v_min(a, b));
+    }
+}
+
+void KW__ISA_NAME(kw__binary_share)(const kw__ew *e, int ith, int nth) {
+    if (!vector_ok(e)) {
+        kw__binary_share_scalar(e, ith, nth);
+        return;
+    }
+    const int last = e->nd.ndim - 1;
+    const int64_t sa = e->nd.stride[1][last], sb = e->b ? e->nd.stride[2][last] : 0;
+    kw__nd_it it = kw__nd_share(&e->nd, ith, nth);
+    int64_t off[3] = {0}, n;
+    while (kw__nd_next(&e->nd, &it, off, &n))
+        for (int64_t i = 0; i < n; i += KW_VW) {
+            const int64_t m = KW__MIN(KW_VW, n - i);
+            const kw_v a = ldv(e->a, off[1], i, m, sa, e->at);
+            const kw_v b = e->b ? ldv(e->b, off[2], i, m, sb, e->bt) : kw_v_set1((float)e->scalar);
+            stv(e->y, off[0] + i, m, e->yt, binary_v(e->mode, a, b));
+        }
+}
+
+void KW__ISA_NAME(kw__silu_mul_share)(const kw__ew *e, int ith, int nth) {
+    if (!vector_ok(e)) {
+        kw__silu_mul_share_scalar(e, ith, nth);
+        return;
+    }
+    const int last = e->nd.ndim - 1;
+    const int64_t sa = e->nd.stride[1][last], sb = e->nd.stride[2][last];
+    const kw_v one = kw_v_set1(1.0f), neg = kw_v_set1(-0.0f);
+    kw__nd_it it = kw__nd_share(&e->nd, ith, nth);
+    int64_t off[3], n;
+    while (kw__nd_next(&e->nd, &it, off, &n))
+        for (int64_t i = 0; i < n; i += KW_VW) {
+            const int64_t m = KW__MIN(KW_VW, n - i);
+            const kw_v g = ldv(e->a, off[1], i, m, sa, e->at), u = ldv(e->b, off[2], i, m, sb, e->bt);
+            const kw_v silu = kw_v_div(g, kw_v_add(one, kw_v_exp(kw_v_xor(g, neg))));
+            stv(e->y, off[0] + i, m, e->yt, kw_v_mul(kw_v_round_to(silu, e->at), u));
+        }
+}
+
+/* erf: ATen's vectorised formula. tanh: 0.5·x·(1 + tanh(u)) = x·sigmoid(2u), which
+ * keeps its relative accuracy where 1 + tanh(u) cancels. */
+static inline kw_v gelu_v(kw_v x, int mode) {
+    const kw_v one = kw_v_set1(1.0f);
+    if (mode == KW_GELU_ERF)
+        return kw_v_mul(kw_v_mul(x, kw_v_set1(0.5f)),
+                        kw_v_add(one, kw_v_erf(kw_v_mul(x, kw_v_set1(0.70710678118654752f)))));
+    const kw_v cube = kw_v_mul(kw_v_mul(x, x), x);
+    const kw_v u = kw_v_mul(kw_v_set1(0.79788456080286536f), kw_v_add(x, kw_v_mul(kw_v_set1(0.044715f), cube)));
+    return kw_v_div(x, kw_v_add(one, kw_v_exp(kw_v_mul(u, kw_v_set1(-2.0f)))));
+}
+
+void KW__ISA_NAME(kw__gelu_share)(const kw__ew *e, int ith, int nth) {
+    if (!vector_ok(e)) {
+        kw__gelu_share_scalar(e, ith, nth);
+        return;
+    }
+    const int64_t sa = e->nd.stride[1][e->nd.ndim - 1];
+    kw__nd_it it = kw__nd_share(&e->nd, ith, nth);
+    int64_t off[2], n;
+    while (kw__nd_next(&e->nd, &it, off, &n))
+        for (int64_t i = 0; i < n; i += KW_VW) {
+            const int64_t m = KW__MIN(KW_VW, n - i);
+            stv(e->y, off[0] + i, m, e->yt, gelu_v(ldv(e->a, off[1], i, m, sa, e->at), e->mode));
+        }
+}
+
+void KW__ISA_NAME(kw__convert_share)(const kw__ew *e, int ith, int nth) {
+    if (!vector_ok(e)) {
+        kw__convert_share_scalar(e, ith, nth);
+        return;
+    }
+    const int64_t sa = e->nd.stride[1][e->nd.ndim - 1];
+    kw__nd_it it = kw__nd_share(&e->nd, ith, nth);
+    int64_t off[2], n;
+    while (kw__nd_next(&e->nd, &it, off, &n))
+        for (int64_t i = 0; i < n; i += KW_VW) {
+            const int64_t m = KW__MIN(KW_VW, n - i);
+            stv(e->y, off[0] + i, m, e->yt, ldv(e->a, off[1], i, m, sa, e->at));
+        }
+}

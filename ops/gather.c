@@ -1,0 +1,106 @@
+/* Row copies addressed by an index tensor; dtypes may differ (each element is
+ * converted as .to() would). Copies of equal dtype are memcpy, which libc already
+ * vectorises, so these ops have only the portable kernel. Threads split rows.
+ *
+ * embedding: y[i, :] = table[ids[i], :]. An id outside [0, V) cannot raise inside
+ *   a kernel: its row is filled with NaN so the error shows instead of passing
+ *   for a real token.
+ * kv_write: cache[b, h, pos[t], :] = src[b, h, t, :] — Tensor.index_copy_(2, pos,
+ *   src) on a static KV cache, in place. A position outside [0, S) is skipped. */
+#include "kw_ops_impl.h"
+
+static void copy_row(char *dst, kw_dtype dt, const char *src, kw_dtype st, int64_t n) {
+    if (dt == st) {
+        memcpy(dst, src, (size_t)n * kw_dtype_size(dt));
+        return;
+    }
+    for (int64_t i = 0; i < n; i++) kw__stf(dst, i, dt, kw__ldf(src, i, st));
+}
+
+static int64_t ld_index(const kw_tensor *t, int64_t i) {
+    return t->dtype == KW_I64 ? ((const int64_t *)t->data)[i] : ((const int32_t *)t->data)[i];
+}
+
+static int index_ok(const kw_tensor *t) {
+    return kw__present(t) && (t->dtype == KW_I64 || t->dtype == KW_I32) && kw__is_contiguous(t);
+}
+
+/* ---- embedding: slots y [..., D], ids [...] (int64 or int32), table [V, D] ---- */
+
+static int embedding_check(const kw_call *c, char *msg, size_t len) {
+    const kw_tensor *y = &c->t[0], *ids = &c->t[1], *tab = &c->t[2];
+    int64_t rows, rs;
+    if (!index_ok(ids))
+        return kw__fail(msg, len, KW_EDTYPE, "embedding: ids must be contiguous int64 or int32 (got %s)", kw__shape(ids).s);
+    if (!kw__present(tab) || !kw__is_float(tab->dtype) || tab->ndim != 2 || (tab->shape[1] > 1 && tab->stride[1] != 1))
+        return kw__fail(msg, len, KW_ESHAPE, "embedding: table must be float32 or bfloat16 [V, D] with contiguous rows (got %s)",
+                        kw__shape(tab).s);
+    if (!kw__present(y) || !kw__is_float(y->dtype) || kw__last(y) != tab->shape[1] || !kw__rows_of(y, &rows, &rs) ||
+        rows != kw__numel(ids) || y->ndim != ids->ndim + 1)
+        return kw__fail(msg, len, KW_ESHAPE, "embedding: y must be float32 or bfloat16 [*ids.shape, %lld] with contiguous rows (got %s)",
+                        (long long)tab->shape[1], kw__shape(y).s);
+    return 0;
+}
+
+static void embedding_scalar(const kw_call *c, int ith, int nth) {
+    const kw_tensor *y = &c->t[0], *ids = &c->t[1], *tab = &c->t[2];
+    const int64_t V = tab->shape[0], D = tab->shape[1];
+    int64_t rows, rs, r0, r1;
+    kw__rows_of(y, &rows, &rs);
+    kw__split(rows, 1, ith, nth, &r0, &r1);
+    for (int64_t r = r0; r < r1; r++) {
+        const int64_t id = ld_index(ids, r);
+        char *dst = kw__ptr(y, r * rs);
+        if (id < 0 || id >= V)
+            for (int64_t i = 0; i < D; i++) kw__stf(dst, i, y->dtype, NAN);
+        else
+            copy_row(dst, y->dtype, kw__ptr(tab, id * tab->stride[0]), tab->dtype, D);
+    }
+}
+
+const kw_op_info kw_op_info_embedding = {
+    .name = "embedding",
+    .n_tensors = 3,
+    .arg = {{"y", KW_WRITE, 0}, {"ids", KW_READ, 0}, {"table", KW_READ, 0}},
+    .check = embedding_check,
+    .kernel = {[KW_ISA_SCALAR] = embedding_scalar},
+};
+
+/* ---- kv_write: slots cache [B, H, S, D] (modified), src [B, H, T, D], pos [T] ---- */
+
+static int kv_write_check(const kw_call *c, char *msg, size_t len) {
+    const kw_tensor *cache = &c->t[0], *src = &c->t[1], *pos = &c->t[2];
+    if (!kw__present(cache) || !kw__is_float(cache->dtype) || cache->ndim != 4 ||
+        (cache->shape[3] > 1 && cache->stride[3] != 1))
+        return kw__fail(msg, len, KW_ESHAPE, "kv_write: cache must be float32 or bfloat16 [B, H, S, D] with contiguous D (got %s)",
+                        kw__shape(cache).s);
+    if (!kw__present(src) || !kw__is_float(src->dtype) || src->ndim != 4 || src->shape[0] != cache->shape[0] ||
+        src->shape[1] != cache->shape[1] || src->shape[3] != cache->shape[3] || (src->shape[3] > 1 && src->stride[3] != 1))
+        return kw__fail(msg, len, KW_ESHAPE, "kv_write: src must be float32 or bfloat16 [B, H, T, D] matching cache %s (got %s)",
+                        kw__shape(cache).s, kw__shape(src).s);
+    if (!index_ok(pos) || kw__numel(pos) != src->shape[2] || pos->ndim != 1)
+        return kw__fail(msg, len, KW_ESHAPE, "kv_write: pos must be contiguous int64 or int32 [T] with T == %lld (got %s)",
+                        (long long)src->shape[2], kw__shape(pos).s);
+    return 0;
+}
+
+static void kv_write_scalar(const kw_call *c, int ith, int nth) {
+    const kw_tensor *cache = &c->t[0], *src = &c->t[1], *pos = &c->t[2];
+    const int64_t H = src->shape[1], T = src->shape[2], S = cache->shape[2], D = cache->shape[3];
+    int64_t r0, r1;
+    kw__split(src->shape[0] * H * T, 1, ith, nth, &r0, &r1);
+    for (int64_t r = r0; r < r1; r++) {
+        const int64_t t = r % T, h = r / T % H, b = r / (T * H), p = ld_index(pos, t);
+        if (p < 0 || p >= S) continue;
+        copy_row(kw__ptr(cache, b * cache->stride[0] + h * cache->stride[1] + p * cache->stride[2]), cache->dtype,
+                 kw__ptr(src, b * src->stride[0] + h * src->stride[1] + t * src->stride[2]), src->dtype, D);
+    }
+}
+
+const kw_op_info kw_op_info_kv_write = {
+    .name = "kv_write",
+    .n_tensors = 3,
+    .arg = {{"cache", KW_MODIFY, 0}, {"src", KW_READ, 0}, {"pos", KW_READ, 0}},
+    .check = kv_write_check,
+    .kernel = {[KW_ISA_SCALAR] = kv_write_scalar},
+};

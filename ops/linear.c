@@ -1,0 +1,183 @@
+/* linear: y = x·Wᵀ (+ bias) for the few rows of decode (GEMV), and linear_multi:
+ * one pass over x for weights stored back to back (q/k/v, gate/up) with the result
+ * split over up to three outputs.
+ *
+ * Weights are PyTorch's [out, in] layout, F32 or BF16. Activations F32: bf16
+ * weights are widened exactly and every product is accumulated in f32, so the
+ * result is PyTorch's f32 linear over the same (bf16-valued) weights up to
+ * summation order. Activations BF16 (weights BF16 too): f32 accumulation, bias
+ * added in f32, one rounding to bf16 (what PyTorch's oneDNN path does). Threads split the weight
+ * rows, so each reads its own contiguous slice of the weights once. */
+#include "linear.h"
+
+static int lin_check_out(const kw_call *c, const char *op, int j, const kw__lin *g, kw__lin_out *o, char *msg,
+                         size_t len) {
+    const kw_tensor *y = &c->t[j];
+    int64_t rows;
+    if (y->dtype != g->xt)
+        return kw__fail(msg, len, KW_EDTYPE, "%s: output %d must have x's dtype %s (got %s)", op, j,
+                        kw_dtype_name(g->xt), kw__shape(y).s);
+    if (!kw__rows_of(y, &rows, &o->ys) || rows != g->M)
+        return kw__fail(msg, len, KW_ESHAPE,
+                        "%s: output %d must be %lld contiguous rows like x (got %s with strides of last dim %lld)",
+                        op, j, (long long)g->M, kw__shape(y).s, (long long)(y->ndim ? y->stride[y->ndim - 1] : 0));
+    o->y = y->data;
+    o->n = kw__last(y);
+    return 0;
+}
+
+int kw__lin_from_call(const kw_call *c, const char *op, int n_out, kw__lin *g, char *msg, size_t len) {
+    const kw_tensor *x = &c->t[n_out], *w = &c->t[n_out + 1], *b = &c->t[n_out + 2];
+    int err;
+    memset(g, 0, sizeof *g);
+    if (!kw__present(x) || !kw__is_float(x->dtype) || !kw__rows_of(x, &g->M, &g->xs) || kw__last(x) < 1)
+        return kw__fail(msg, len, KW_ESHAPE,
+                        "%s: x must be float32 or bfloat16 [..., K] with K >= 1 and rows of contiguous K (got %s)",
+                        op, kw__shape(x).s);
+    g->x = x->data;
+    g->xt = g->yt = x->dtype;
+    g->K = kw__last(x);
+
+    for (int j = 0; j < n_out; j++) {
+        if (!kw__present(&c->t[j])) {
+            if (j == 0) return kw__fail(msg, len, KW_EINVAL, "%s: output 0 (y) is required", op);
+            for (int k = j + 1; k < n_out; k++)
+                if (kw__present(&c->t[k]))
+                    return kw__fail(msg, len, KW_EINVAL, "%s: output %d given but output %d absent", op, k, j);
+            break;
+        }
+        if ((err = lin_check_out(c, op, j, g, &g->out[j], msg, len))) return err;
+        g->n_total += g->out[j].n;
+        g->n_out++;
+    }
+
+    if (kw__present(w) && g->xt == KW_BF16 && w->dtype != KW_BF16)
+        return kw__fail(msg, len, KW_EDTYPE, "%s: weight must be bfloat16 when x is bfloat16 (got %s)", op,
+                        kw__shape(w).s);
+    const int blocked = w->ndim == 3;
+    const int64_t kblk = blocked ? w->shape[2] : w->ndim == 2 ? w->shape[1] : 0;
+    if (!kw__present(w) || !kw__is_float(w->dtype) || (w->ndim != 2 && !blocked) || kblk < 1 ||
+        (blocked ? w->shape[0] * kblk : kblk) != g->K || w->shape[blocked] != g->n_total ||
+        (kblk > 1 && w->stride[w->ndim - 1] != 1))
+        return kw__fail(msg, len, KW_ESHAPE,
+                        "%s: weight must be float32 or bfloat16 [N, K], or K-blocked [K / B, N, B], with "
+                        "K == x.shape[-1] == %lld, N == %lld (the outputs' last dims summed) and contiguous rows "
+                        "(got %s)",
+                        op, (long long)g->K, (long long)g->n_total, kw__shape(w).s);
+    g->w = w->data;
+    g->ws = w->stride[blocked];
+    g->wbs = blocked ? w->stride[0] : 0;
+    g->kblk = kblk;
+    g->wt = w->dtype;
+
+    if (kw__present(b)) {
+        if (!kw__is_float(b->dtype) || b->ndim != 1 || b->shape[0] != g->n_total)
+            return kw__fail(msg, len, KW_ESHAPE, "%s: bias must be float32 or bfloat16 [N] with N == %lld (got %s)",
+                            op, (long long)g->n_total, kw__shape(b).s);
+        g->b = b->data;
+        g->bs = b->stride[0];
+        g->bt = b->dtype;
+    }
+    return 0;
+}
+
+void kw__linear_rows_scalar(const kw__lin *g, int64_t n0, int64_t n1, void *work) {
+    const size_t xsz = kw_dtype_size(g->xt);
+    for (int j = 0; j < g->n_out; j++) {
+        int64_t s0, s1;
+        char *y;
+        if (!kw__lin_segment(g, j, n0, n1, &s0, &s1, &y)) continue;
+        for (int64_t m = 0; m < g->M; m++) {
+            const char *xr = g->x + (size_t)(m * g->xs) * xsz;
+            for (int64_t n = s0; n < s1; n++) {
+                float acc = 0.0f;
+                for (int64_t k = 0; k < g->K; k++)
+                    acc += kw__ldf(xr, k, g->xt) * kw__ldf(kw__lin_wrow(g, k / g->kblk, n), k % g->kblk, g->wt);
+                kw__stf(y, m * g->out[j].ys + (n - s0), g->yt, acc + kw__lin_bias(g, n));
+            }
+        }
+    }
+}
+
+int64_t kw_linear_block(int64_t K) {
+    return K > KW_LINEAR_BLOCK && K % KW_LINEAR_BLOCK == 0 ? KW_LINEAR_BLOCK : 0;
+}
+
+static void lin_run(const kw_call *c, int n_out, int ith, int nth, kw__lin_rows_fn rows) {
+    kw__lin g;
+    int64_t n0, n1;
+    if (kw__lin_from_call(c, "", n_out, &g, NULL, 0)) return; /* capture checked it */
+    kw__split(g.n_total, 16, ith, nth, &n0, &n1);
+    if (n0 < n1) rows(&g, n0, n1, kw__work(c, ith));
+}
+
+/* ---- linear: slots y [..., N], x [..., K], weight [N, K] or K-blocked [K / B, N, B],
+ * bias [N] (optional) ---- */
+
+static int linear_check(const kw_call *c, char *msg, size_t len) {
+    kw__lin g;
+    return kw__lin_from_call(c, "linear", 1, &g, msg, len);
+}
+
+static size_t linear_work(const kw_call *c) {
+    kw__lin g;
+    return kw__lin_from_call(c, "linear", 1, &g, NULL, 0) ? 0 : kw__lin_work_size(&g);
+}
+
+#define KW__LIN_KERNEL(op, n_out, isa)                                  \
+    static void op##_##isa(const kw_call *c, int ith, int nth) {        \
+        lin_run(c, n_out, ith, nth, kw__linear_rows_##isa);             \
+    }
+KW__LIN_KERNEL(linear, 1, scalar)
+KW__LIN_KERNEL(linear, 1, avx2)
+KW__LIN_KERNEL(linear, 1, avx512)
+KW__LIN_KERNEL(linear, 1, avx512bf16)
+
+const kw_op_info kw_op_info_linear = {
+    .name = "linear",
+    .n_tensors = 4,
+    .arg = {{"y", KW_WRITE, 0}, {"x", KW_READ, 0}, {"weight", KW_READ, 0}, {"bias", KW_READ, 1}},
+    .check = linear_check,
+    .work_size = linear_work,
+    .kernel = {[KW_ISA_SCALAR] = linear_scalar,
+               [KW_ISA_AVX2] = linear_avx2,
+               [KW_ISA_AVX512] = linear_avx512,
+               [KW_ISA_AVX512BF16] = linear_avx512bf16},
+};
+
+/* ---- linear_multi: slots y0, y1, y2, y3, x, weight, bias ----
+ * Output j takes the next y_j.shape[-1] rows of the weight; absent outputs
+ * (only at the end) take none. One output is the concatenated form. */
+
+static int linear_multi_check(const kw_call *c, char *msg, size_t len) {
+    kw__lin g;
+    return kw__lin_from_call(c, "linear_multi", KW__LIN_MAX_OUT, &g, msg, len);
+}
+
+static size_t linear_multi_work(const kw_call *c) {
+    kw__lin g;
+    return kw__lin_from_call(c, "linear_multi", KW__LIN_MAX_OUT, &g, NULL, 0) ? 0 : kw__lin_work_size(&g);
+}
+
+KW__LIN_KERNEL(linear_multi, KW__LIN_MAX_OUT, scalar)
+KW__LIN_KERNEL(linear_multi, KW__LIN_MAX_OUT, avx2)
+KW__LIN_KERNEL(linear_multi, KW__LIN_MAX_OUT, avx512)
+KW__LIN_KERNEL(linear_multi, KW__LIN_MAX_OUT, avx512bf16)
+
+const kw_op_info kw_op_info_linear_multi = {
+    .name = "linear_multi",
+    .n_tensors = 7,
+    .arg = {{"y0", KW_WRITE, 0},
+            {"y1", KW_WRITE, 1},
+            {"y2", KW_WRITE, 1},
+            {"y3", KW_WRITE, 1},
+            {"x", KW_READ, 0},
+            {"weight", KW_READ, 0},
+            {"bias", KW_READ, 1}},
+    .check = linear_multi_check,
+    .work_size = linear_multi_work,
+    .kernel = {[KW_ISA_SCALAR] = linear_multi_scalar,
+               [KW_ISA_AVX2] = linear_multi_avx2,
+               [KW_ISA_AVX512] = linear_multi_avx512,
+               [KW_ISA_AVX512BF16] = linear_multi_avx512bf16},
+};

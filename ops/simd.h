@@ -1,0 +1,263 @@
+/* simd.h — the vector layer for ISA files (*_avx2.c, *_avx512.c, *_avx512bf16.c).
+ *
+ * One vocabulary over KW_VW f32 lanes, chosen by the flags the file is compiled
+ * with, so a kernel body written once (a *_body.h) builds for AVX2 and AVX-512.
+ * Partial loads and stores (the `n` variants, n < KW_VW) never touch memory past
+ * n elements. bf16 stores round to nearest even exactly like kw__f32_to_bf16
+ * (PyTorch's rounding), never with vcvtneps2bf16, which flushes denormals. */
+#ifndef KW_SIMD_H
+#define KW_SIMD_H
+
+#include <immintrin.h>
+
+#include "kw_ops_impl.h"
+
+#if defined(__AVX512BF16__)
+#define KW_ISA_SUFFIX avx512bf16
+#elif defined(__AVX512F__)
+#define KW_ISA_SUFFIX avx512
+#elif defined(__AVX2__)
+#define KW_ISA_SUFFIX avx2
+#else
+#error "simd.h is for ISA files built with AVX2 or AVX-512 flags"
+#endif
+
+#define KW__CAT2(a, b) a##_##b
+#define KW__CAT(a, b) KW__CAT2(a, b)
+/* kw__name_<isa>: the exported name of a kernel defined in a *_body.h. */
+#define KW__ISA_NAME(name) KW__CAT(name, KW_ISA_SUFFIX)
+
+#if defined(__AVX512F__)
+
+#define KW_VW 16
+typedef __m512 kw_v;
+
+static inline __mmask16 kw__m16(int64_t n) { return (__mmask16)((1u << n) - 1u); }
+
+static inline kw_v kw_v_zero(void) { return _mm512_setzero_ps(); }
+static inline kw_v kw_v_set1(float x) { return _mm512_set1_ps(x); }
+static inline kw_v kw_v_loadu(const float *p) { return _mm512_loadu_ps(p); }
+static inline kw_v kw_v_loadn(const float *p, int64_t n) { return _mm512_maskz_loadu_ps(kw__m16(n), p); }
+static inline void kw_v_storeu(float *p, kw_v v) { _mm512_storeu_ps(p, v); }
+static inline void kw_v_storen(float *p, kw_v v, int64_t n) { _mm512_mask_storeu_ps(p, kw__m16(n), v); }
+/* Lanes >= n replaced by `fill` (or by 0). */
+static inline kw_v kw_v_fill_tail(kw_v v, int64_t n, float fill) { return _mm512_mask_mov_ps(_mm512_set1_ps(fill), kw__m16(n), v); }
+static inline kw_v kw_v_keepn(kw_v v, int64_t n) { return _mm512_maskz_mov_ps(kw__m16(n), v); }
+/* Bit i set where a[i] == b[i] (ordered). */
+static inline unsigned kw_v_eq_bits(kw_v a, kw_v b) { return (unsigned)_mm512_cmp_ps_mask(a, b, _CMP_EQ_OQ); }
+static inline unsigned kw_v_gt_bits(kw_v a, kw_v b) { return (unsigned)_mm512_cmp_ps_mask(a, b, _CMP_GT_OQ); }
+
+static inline kw_v kw__widen_bf16(__m256i h) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+static inline kw_v kw_v_load_bf16(const uint16_t *p) { return kw__widen_bf16(_mm256_loadu_si256((const __m256i *)p)); }
+static inline kw_v kw_v_loadn_bf16(const uint16_t *p, int64_t n) {
+    return kw__widen_bf16(_mm256_maskz_loadu_epi16(kw__m16(n), p));
+}
+static inline __m256i kw__narrow_bf16(kw_v v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
+    return _mm512_cvtepi32_epi16(r);
+}
+static inline void kw_v_store_bf16(uint16_t *p, kw_v v) { _mm256_storeu_si256((__m256i *)p, kw__narrow_bf16(v)); }
+static inline void kw_v_storen_bf16(uint16_t *p, kw_v v, int64_t n) {
+    _mm256_mask_storeu_epi16(p, kw__m16(n), kw__narrow_bf16(v));
+}
+
+static inline kw_v kw_v_add(kw_v a, kw_v b) { return _mm512_add_ps(a, b); }
+static inline kw_v kw_v_sub(kw_v a, kw_v b) { return _mm512_sub_ps(a, b); }
+static inline kw_v kw_v_mul(kw_v a, kw_v b) { return _mm512_mul_ps(a, b); }
+static inline kw_v kw_v_div(kw_v a, kw_v b) { return _mm512_div_ps(a, b); }
+static inline kw_v kw_v_fmadd(kw_v a, kw_v b, kw_v c) { return _mm512_fmadd_ps(a, b, c); }
+static inline kw_v kw_v_fnmadd(kw_v a, kw_v b, kw_v c) { return _mm512_fnmadd_ps(a, b, c); }
+/* max/min return b when either is NaN (the x86 rule); callers order operands for it. */
+static inline kw_v kw_v_max(kw_v a, kw_v b) { return _mm512_max_ps(a, b); }
+static inline kw_v kw_v_min(kw_v a, kw_v b) { return _mm512_min_ps(a, b); }
+static inline kw_v kw_v_abs(kw_v a) { return _mm512_abs_ps(a); }
+static inline kw_v kw_v_xor(kw_v a, kw_v b) { return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(a), _mm512_castps_si512(b))); }
+static inline kw_v kw_v_and(kw_v a, kw_v b) { return _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(a), _mm512_castps_si512(b))); }
+static inline kw_v kw_v_round(kw_v a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+/* r where a and b are numbers, a + b (a NaN) where either is NaN. */
+static inline kw_v kw_v_nan_or(kw_v a, kw_v b, kw_v r) {
+    return _mm512_mask_add_ps(r, _mm512_cmp_ps_mask(a, b, _CMP_UNORD_Q), a, b);
+}
+/* r[i] = Σ v[i] for KW_VW vectors at once: a transpose-and-add tree, about three
+ * instructions per sum against a dozen for one kw_v_reduce_add each. */
+static inline kw_v kw_v_reduce_add_lanes(const kw_v *v) {
+    __m512 a[8], b[4], c[2];
+    for (int i = 0; i < 8; i++)
+        a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++) {
+        const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
+        b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    for (int i = 0; i < 2; i++)
+        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xdd));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xdd));
+}
+static inline kw_v kw_v_swap_pairs(kw_v a) { return _mm512_permute_ps(a, 0xb1); } /* lanes 2i <-> 2i+1 */
+static inline kw_v kw_v_signs_even(void) { return _mm512_castsi512_ps(_mm512_set1_epi64(0x80000000)); }
+static inline float kw_v_reduce_add(kw_v a) { return _mm512_reduce_add_ps(a); }
+static inline float kw_v_reduce_max(kw_v a) { return _mm512_reduce_max_ps(a); }
+/* a * 2^n for an integral-valued n, with IEEE overflow and gradual underflow. */
+static inline kw_v kw__v_ldexp(kw_v a, kw_v n) { return _mm512_scalef_ps(a, n); }
+
+#else /* AVX2 + FMA */
+
+#define KW_VW 8
+typedef __m256 kw_v;
+
+static inline __m256i kw__m8(int64_t n) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+static inline kw_v kw_v_zero(void) { return _mm256_setzero_ps(); }
+static inline kw_v kw_v_set1(float x) { return _mm256_set1_ps(x); }
+static inline kw_v kw_v_loadu(const float *p) { return _mm256_loadu_ps(p); }
+static inline kw_v kw_v_loadn(const float *p, int64_t n) { return _mm256_maskload_ps(p, kw__m8(n)); }
+static inline void kw_v_storeu(float *p, kw_v v) { _mm256_storeu_ps(p, v); }
+static inline void kw_v_storen(float *p, kw_v v, int64_t n) { _mm256_maskstore_ps(p, kw__m8(n), v); }
+static inline kw_v kw_v_fill_tail(kw_v v, int64_t n, float fill) {
+    return _mm256_blendv_ps(_mm256_set1_ps(fill), v, _mm256_castsi256_ps(kw__m8(n)));
+}
+static inline kw_v kw_v_keepn(kw_v v, int64_t n) { return _mm256_and_ps(v, _mm256_castsi256_ps(kw__m8(n))); }
+static inline unsigned kw_v_eq_bits(kw_v a, kw_v b) { return (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_EQ_OQ)); }
+static inline unsigned kw_v_gt_bits(kw_v a, kw_v b) { return (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_GT_OQ)); }
+
+static inline kw_v kw__widen_bf16(__m128i h) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+static inline kw_v kw_v_load_bf16(const uint16_t *p) { return kw__widen_bf16(_mm_loadu_si128((const __m128i *)p)); }
+static inline kw_v kw_v_loadn_bf16(const uint16_t *p, int64_t n) {
+    uint16_t tmp[8] = {0}; /* AVX2 has no 16-bit masked load */
+    memcpy(tmp, p, (size_t)n * 2);
+    return kw_v_load_bf16(tmp);
+}
+static inline __m128i kw__narrow_bf16(kw_v v) {
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
+    return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+static inline void kw_v_store_bf16(uint16_t *p, kw_v v) { _mm_storeu_si128((__m128i *)p, kw__narrow_bf16(v)); }
+static inline void kw_v_storen_bf16(uint16_t *p, kw_v v, int64_t n) {
+    uint16_t tmp[8];
+    _mm_storeu_si128((__m128i *)tmp, kw__narrow_bf16(v));
+    memcpy(p, tmp, (size_t)n * 2);
+}
+
+static inline kw_v kw_v_add(kw_v a, kw_v b) { return _mm256_add_ps(a, b); }
+static inline kw_v kw_v_sub(kw_v a, kw_v b) { return _mm256_sub_ps(a, b); }
+static inline kw_v kw_v_mul(kw_v a, kw_v b) { return _mm256_mul_ps(a, b); }
+static inline kw_v kw_v_div(kw_v a, kw_v b) { return _mm256_div_ps(a, b); }
+static inline kw_v kw_v_fmadd(kw_v a, kw_v b, kw_v c) { return _mm256_fmadd_ps(a, b, c); }
+static inline kw_v kw_v_fnmadd(kw_v a, kw_v b, kw_v c) { return _mm256_fnmadd_ps(a, b, c); }
+static inline kw_v kw_v_max(kw_v a, kw_v b) { return _mm256_max_ps(a, b); }
+static inline kw_v kw_v_min(kw_v a, kw_v b) { return _mm256_min_ps(a, b); }
+static inline kw_v kw_v_xor(kw_v a, kw_v b) { return _mm256_xor_ps(a, b); }
+static inline kw_v kw_v_and(kw_v a, kw_v b) { return _mm256_and_ps(a, b); }
+static inline kw_v kw_v_abs(kw_v a) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), a); }
+static inline kw_v kw_v_round(kw_v a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+static inline kw_v kw_v_nan_or(kw_v a, kw_v b, kw_v r) {
+    return _mm256_blendv_ps(r, _mm256_add_ps(a, b), _mm256_cmp_ps(a, b, _CMP_UNORD_Q));
+}
+static inline kw_v kw_v_reduce_add_lanes(const kw_v *v) {
+    __m256 a[4], b[2];
+    for (int i = 0; i < 4; i++)
+        a[i] = _mm256_add_ps(_mm256_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm256_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 2; i++) {
+        const __m256d x = _mm256_castps_pd(a[2 * i]), y = _mm256_castps_pd(a[2 * i + 1]);
+        b[i] = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(x, y)), _mm256_castpd_ps(_mm256_unpackhi_pd(x, y)));
+    }
+    return _mm256_add_ps(_mm256_permute2f128_ps(b[0], b[1], 0x20), _mm256_permute2f128_ps(b[0], b[1], 0x31));
+}
+static inline kw_v kw_v_swap_pairs(kw_v a) { return _mm256_permute_ps(a, 0xb1); }
+static inline kw_v kw_v_signs_even(void) { return _mm256_castsi256_ps(_mm256_set1_epi64x(0x80000000)); }
+static inline float kw_v_reduce_add(kw_v a) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+static inline float kw_v_reduce_max(kw_v a) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_max_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+/* a * 2^n in two steps so that n in [-150, 129] never leaves the exponent range
+ * of either factor: the result overflows or underflows (gradually) only once. */
+static inline kw_v kw__v_ldexp(kw_v a, kw_v n) {
+    const __m256i ni = _mm256_cvtps_epi32(n), n1 = _mm256_srai_epi32(ni, 1), n2 = _mm256_sub_epi32(ni, n1);
+    const __m256i bias = _mm256_set1_epi32(127);
+    const kw_v p1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, bias), 23));
+    const kw_v p2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, bias), 23));
+    return _mm256_mul_ps(_mm256_mul_ps(a, p1), p2);
+}
+
+#endif
+
+/* ---- dtype-generic access (F32 or BF16), for bodies that take either ---- */
+
+static inline kw_v kw_v_ld(const void *p, int64_t i, kw_dtype dt) {
+    return dt == KW_BF16 ? kw_v_load_bf16((const uint16_t *)p + i) : kw_v_loadu((const float *)p + i);
+}
+static inline kw_v kw_v_ldn(const void *p, int64_t i, int64_t n, kw_dtype dt) {
+    return dt == KW_BF16 ? kw_v_loadn_bf16((const uint16_t *)p + i, n) : kw_v_loadn((const float *)p + i, n);
+}
+static inline void kw_v_st(void *p, int64_t i, kw_dtype dt, kw_v v) {
+    if (dt == KW_BF16)
+        kw_v_store_bf16((uint16_t *)p + i, v);
+    else
+        kw_v_storeu((float *)p + i, v);
+}
+static inline void kw_v_stn(void *p, int64_t i, int64_t n, kw_dtype dt, kw_v v) {
+    if (dt == KW_BF16)
+        kw_v_storen_bf16((uint16_t *)p + i, v, n);
+    else
+        kw_v_storen((float *)p + i, v, n);
+}
+
+/* What storing to dtype dt and loading back gives (eager bf16's rounding steps). */
+static inline kw_v kw_v_round_to(kw_v v, kw_dtype dt) {
+    return dt == KW_BF16 ? kw__widen_bf16(kw__narrow_bf16(v)) : v;
+}
+
+/* ---- transcendental functions ---- */
+
+/* expf to about 1 ulp (Cephes' polynomial): NaN stays NaN, -inf gives 0, +inf gives inf. */
+static inline kw_v kw_v_exp(kw_v x) {
+    x = kw_v_min(kw_v_set1(88.8f), kw_v_max(kw_v_set1(-104.0f), x)); /* NaN passes through */
+    const kw_v n = kw_v_round(kw_v_mul(x, kw_v_set1(1.44269504088896341f)));
+    kw_v r = kw_v_fnmadd(n, kw_v_set1(0.693359375f), x);
+    r = kw_v_fnmadd(n, kw_v_set1(-2.12194440e-4f), r);
+    kw_v p = kw_v_set1(1.9875691500e-4f);
+    p = kw_v_fmadd(p, r, kw_v_set1(1.3981999507e-3f));
+    p = kw_v_fmadd(p, r, kw_v_set1(8.3334519073e-3f));
+    p = kw_v_fmadd(p, r, kw_v_set1(4.1665795894e-2f));
+    p = kw_v_fmadd(p, r, kw_v_set1(1.6666665459e-1f));
+    p = kw_v_fmadd(p, r, kw_v_set1(5.0000001201e-1f));
+    p = kw_v_fmadd(kw_v_mul(p, r), r, kw_v_add(r, kw_v_set1(1.0f)));
+    return kw__v_ldexp(p, n);
+}
+
+/* erf as ATen's vectorised erf computes it (Abramowitz & Stegun 7.1.26, absolute
+ * error below 1.5e-7), so GELU agrees with PyTorch's CPU kernel. */
+static inline kw_v kw_v_erf(kw_v x) {
+    const kw_v sign = kw_v_and(x, kw_v_set1(-0.0f)), ax = kw_v_abs(x), one = kw_v_set1(1.0f);
+    const kw_v t = kw_v_div(one, kw_v_fmadd(kw_v_set1(0.3275911f), ax, one));
+    kw_v r = kw_v_fmadd(kw_v_set1(1.061405429f), t, kw_v_set1(-1.453152027f));
+    r = kw_v_fmadd(r, t, kw_v_set1(1.421413741f));
+    r = kw_v_fmadd(r, t, kw_v_set1(-0.284496736f));
+    r = kw_v_fmadd(r, t, kw_v_set1(0.254829592f));
+    const kw_v e = kw_v_exp(kw_v_xor(kw_v_mul(x, x), kw_v_set1(-0.0f)));
+    const kw_v y = kw_v_fmadd(kw_v_xor(kw_v_mul(e, t), kw_v_set1(-0.0f)), r, one);
+    return kw_v_xor(y, sign);
+}
+
+#endif

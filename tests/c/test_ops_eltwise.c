@@ -1,0 +1,312 @@
+/* binary, silu_mul, gelu, convert, rotary: every variant against the scalar
+ * reference, and the reference against hand-computed or double values.
+ *
+ * Tolerances. binary, convert and rotary do the same IEEE operations in the
+ * same order in every variant: exact (0). silu_mul and gelu use a vector expf
+ * (about 1 ulp) and ATen's erf polynomial (absolute error < 1.5e-7) against
+ * libm: f32 atol 5e-7 + rtol 2e-6; bf16 outputs one ulp more per rounding
+ * (silu_mul rounds twice): rtol 2^-6. */
+#include <criterion/criterion.h>
+#include <math.h>
+
+#include "kw_ops_impl.h"
+#include "test_ops_util.h"
+
+static const tt_tol exact = {0, 0};
+
+/* A random shape of 1..4 dims, sizes on and off the vector widths. */
+static int rand_shape(tt_rng *r, int64_t *shape) {
+    static const int64_t sizes[] = {1, 2, 3, 5, 16, 17, 33};
+    const int nd = (int)tt_int(r, 1, 4);
+    for (int d = 0; d < nd; d++) shape[d] = sizes[tt_int(r, 0, 6)];
+    return nd;
+}
+
+/* Strides for a layout with some padding between rows and, sometimes, the last
+ * two dims swapped in memory (a transposed view: inner stride > 1). */
+static void rand_strides(tt_rng *r, int nd, const int64_t *shape, int64_t *st) {
+    int order[4]; /* dims from innermost in memory */
+    for (int i = 0; i < nd; i++) order[i] = nd - 1 - i;
+    if (nd >= 2 && tt_int(r, 0, 3) == 0) order[0] = nd - 2, order[1] = nd - 1;
+    int64_t s = 1;
+    for (int i = 0; i < nd; i++) st[order[i]] = s, s = s * shape[order[i]] + tt_int(r, 0, 1) * tt_int(r, 1, 3);
+}
+
+/* Slots 0 (y), 1 (a) and, for n_in 2, 2 (b): a and b broadcast to y. */
+static void eltwise_case(tt_case *k, int n_in, kw_dtype yt, kw_dtype at, kw_dtype bt, double lo, double hi,
+                         tt_rng *r) {
+    int64_t shape[4], st[4];
+    const int nd = rand_shape(r, shape);
+    rand_strides(r, nd, shape, st);
+    tt_tensor(k, 0, yt, nd, shape, st, 0, 0, r);
+    for (int i = 1; i <= n_in; i++) {
+        int64_t s[4], sst[4];
+        const int lead = (int)tt_int(r, 0, nd - 1) * (int)tt_int(r, 0, 1), snd = nd - lead;
+        for (int d = 0; d < snd; d++) s[d] = tt_int(r, 0, 2) ? shape[lead + d] : 1;
+        rand_strides(r, snd, s, sst);
+        tt_tensor(k, i, i == 1 ? at : bt, snd, s, sst, lo, hi, r);
+    }
+}
+
+static const kw_dtype fdt[] = {KW_F32, KW_BF16};
+
+Test(binary, every_variant_matches_the_reference) {
+    tt_rng r = {21};
+    for (int trial = 0; trial < 300; trial++) {
+        const kw_dtype at = fdt[tt_int(&r, 0, 1)], bt = fdt[tt_int(&r, 0, 1)];
+        const int scalar = trial % 7 == 0;
+        const kw_dtype yt = scalar ? at : (at == KW_F32 || bt == KW_F32 ? KW_F32 : KW_BF16);
+        tt_case k = {0};
+        eltwise_case(&k, scalar ? 1 : 2, yt, at, bt, -3, 3, &r);
+        k.c.ip[0] = trial % KW_BINARY_COUNT;
+        k.c.fp[0] = 1.75;
+        if (trial % 11 == 0) tt_set(&k.c.t[1], (int64_t[]){0, 0, 0, 0}, NAN);
+        tt_check_variants(KW_OP_BINARY, &k, exact, "binary");
+        tt_free(&k);
+    }
+}
+
+Test(binary, in_place_and_int64) {
+    tt_rng r = {22};
+    tt_case k = {0};
+    tt_tensor(&k, 1, KW_BF16, 2, TT_DIMS(3, 70), NULL, -2, 2, &r);
+    tt_tensor(&k, 2, KW_BF16, 1, TT_DIMS(70), NULL, -2, 2, &r);
+    tt_alias(&k, 0, 1);
+    k.c.ip[0] = KW_BINARY_ADD;
+    tt_check_variants(KW_OP_BINARY, &k, exact, "in place");
+    tt_free(&k);
+
+    for (int op = 0; op < KW_BINARY_COUNT; op++) {
+        if (op == KW_BINARY_DIV) continue;
+        tt_tensor(&k, 1, KW_I64, 2, TT_DIMS(3, 5), NULL, -1000, 1000, &r);
+        tt_tensor(&k, 0, KW_I64, 2, TT_DIMS(3, 5), NULL, 0, 0, &r);
+        k.c.ip[0] = op;
+        k.c.fp[0] = 7;
+        tt_check_variants(KW_OP_BINARY, &k, exact, "int64");
+        for (int64_t i = 0; i < 15; i++) {
+            const int64_t a = ((int64_t *)k.c.t[1].data)[i], y = ((int64_t *)k.c.t[0].data)[i];
+            const int64_t want = op == KW_BINARY_ADD   ? a + 7
+                                 : op == KW_BINARY_SUB ? a - 7
+                                 : op == KW_BINARY_MUL ? a * 7
+                                 : op == KW_BINARY_MAX ? (a > 7 ? a : 7)
+                                                       : (a < 7 ? a : 7);
+            cr_expect_eq(y, want, "op %d: %lld", op, (long long)a);
+        }
+        tt_free(&k);
+    }
+}
+
+Test(binary, reference_by_hand) {
+    tt_rng r = {23};
+    tt_case k = {0};
+    const float av[2][3] = {{1, -2, 3}, {NAN, 0.5f, 1e-3f}}, bv[3] = {2, 4, -8};
+    tt_tensor(&k, 1, KW_F32, 2, TT_DIMS(2, 3), NULL, 0, 0, &r);
+    tt_tensor(&k, 2, KW_F32, 1, TT_DIMS(3), NULL, 0, 0, &r);
+    kw_tensor *y = tt_tensor(&k, 0, KW_F32, 2, TT_DIMS(2, 3), NULL, 0, 0, &r);
+    for (int64_t i = 0; i < 2; i++)
+        for (int64_t j = 0; j < 3; j++) tt_set(&k.c.t[1], (int64_t[]){i, j}, av[i][j]);
+    for (int64_t j = 0; j < 3; j++) tt_set(&k.c.t[2], &j, bv[j]);
+    static const float want[KW_BINARY_COUNT][2][3] = {
+        {{3, 2, -5}, {NAN, 4.5f, -7.999f}},
+        {{-1, -6, 11}, {NAN, -3.5f, 8.001f}},
+        {{2, -8, -24}, {NAN, 2, -8e-3f}},
+        {{0.5f, -0.5f, -0.375f}, {NAN, 0.125f, -1.25e-4f}},
+        {{2, 4, 3}, {NAN, 4, 1e-3f}},
+        {{1, -2, -8}, {NAN, 0.5f, -8}},
+    };
+    for (int op = 0; op < KW_BINARY_COUNT; op++) {
+        k.c.ip[0] = op;
+        tt_run(KW_OP_BINARY, kw_op_get(KW_OP_BINARY)->kernel[KW_ISA_SCALAR], &k.c, 1);
+        for (int64_t i = 0; i < 2; i++)
+            for (int64_t j = 0; j < 3; j++) {
+                const double g = tt_get(y, (int64_t[]){i, j}), w = want[op][i][j];
+                cr_expect(isnan(w) ? isnan(g) : g == (float)w, "op %d y[%lld,%lld] = %g, want %g", op, (long long)i,
+                          (long long)j, g, w);
+            }
+    }
+    tt_free(&k);
+}
+
+Test(silu_mul, every_variant_matches_the_reference) {
+    tt_rng r = {24};
+    for (int trial = 0; trial < 120; trial++) {
+        const kw_dtype gt = fdt[trial % 2], ut = fdt[trial / 2 % 2];
+        const kw_dtype yt = gt == KW_F32 || ut == KW_F32 ? KW_F32 : KW_BF16;
+        tt_case k = {0};
+        eltwise_case(&k, 2, yt, gt, ut, -12, 12, &r);
+        tt_check_variants(KW_OP_SILU_MUL, &k, (tt_tol){5e-7, yt == KW_BF16 ? 0x1p-6 : 2e-6}, "silu_mul");
+        tt_free(&k);
+    }
+}
+
+Test(silu_mul, reference_matches_double_precision) {
+    tt_rng r = {25};
+    tt_case k = {0};
+    kw_tensor *g = tt_tensor(&k, 1, KW_F32, 1, TT_DIMS(200), NULL, -20, 20, &r);
+    kw_tensor *u = tt_tensor(&k, 2, KW_F32, 1, TT_DIMS(200), NULL, -2, 2, &r);
+    kw_tensor *y = tt_tensor(&k, 0, KW_F32, 1, TT_DIMS(200), NULL, 0, 0, &r);
+    tt_run(KW_OP_SILU_MUL, kw_op_get(KW_OP_SILU_MUL)->kernel[KW_ISA_SCALAR], &k.c, 1);
+    for (int64_t i = 0; i < 200; i++) {
+        const double x = tt_get(g, &i), want = x / (1 + exp(-x)) * tt_get(u, &i);
+        cr_expect_leq(fabs(tt_get(y, &i) - want), 1e-6 * fabs(want) + 1e-30, "y[%lld]", (long long)i);
+    }
+    tt_free(&k);
+}
+
+Test(gelu, every_variant_matches_the_reference) {
+    tt_rng r = {26};
+    for (int trial = 0; trial < 80; trial++) {
+        const kw_dtype dt = fdt[trial % 2];
+        tt_case k = {0};
+        eltwise_case(&k, 1, dt, dt, dt, -6, 6, &r);
+        k.c.ip[0] = trial / 2 % 2 ? KW_GELU_TANH : KW_GELU_ERF;
+        tt_check_variants(KW_OP_GELU, &k, (tt_tol){1e-6, dt == KW_BF16 ? 0x1p-7 : 2e-6}, "gelu");
+        tt_free(&k);
+    }
+}
+
+Test(gelu, reference_matches_double_precision) {
+    tt_rng r = {27};
+    for (int mode = 0; mode < 2; mode++) {
+        tt_case k = {0};
+        kw_tensor *x = tt_tensor(&k, 1, KW_F32, 1, TT_DIMS(300), NULL, -8, 8, &r);
+        kw_tensor *y = tt_tensor(&k, 0, KW_F32, 1, TT_DIMS(300), NULL, 0, 0, &r);
+        k.c.ip[0] = mode ? KW_GELU_TANH : KW_GELU_ERF;
+        tt_run(KW_OP_GELU, kw_op_get(KW_OP_GELU)->kernel[KW_ISA_SCALAR], &k.c, 1);
+        for (int64_t i = 0; i < 300; i++) {
+            const double v = tt_get(x, &i);
+            const double want = mode ? 0.5 * v * (1 + tanh(sqrt(2 / M_PI) * (v + 0.044715 * v * v * v)))
+                                     : 0.5 * v * (1 + erf(v / sqrt(2)));
+            cr_expect_leq(fabs(tt_get(y, &i) - want), 1e-6 * (1 + fabs(v)), "mode %d gelu(%g)", mode, v);
+        }
+        tt_free(&k);
+    }
+}
+
+Test(convert, every_variant_matches_the_reference) {
+    tt_rng r = {28};
+    static const kw_dtype all[] = {KW_F32, KW_BF16, KW_F16, KW_I64, KW_I32, KW_BOOL, KW_U8};
+    for (int trial = 0; trial < 200; trial++) {
+        const kw_dtype yt = all[trial % 7], xt = all[trial / 7 % 7];
+        const int ints = xt == KW_I64 || xt == KW_I32 || xt == KW_BOOL || xt == KW_U8;
+        tt_case k = {0};
+        eltwise_case(&k, 1, yt, xt, xt, ints ? 0 : -300, xt == KW_BOOL ? 1 : ints ? 255 : 300, &r);
+        tt_check_variants(KW_OP_CONVERT, &k, exact, "convert");
+        tt_free(&k);
+    }
+}
+
+/* Known conversions, bit for bit as c10 does them. */
+Test(convert, reference_by_hand) {
+    static const struct {
+        uint32_t f;
+        uint16_t bf16;
+    } bf[] = {
+        {0x3f800000, 0x3f80}, {0x3f808000, 0x3f80}, /* a tie rounds to even (down) */
+        {0x3f818000, 0x3f82},                       /* a tie rounds to even (up) */
+        {0x3f808001, 0x3f81}, {0x7f800000, 0x7f80}, {0xff800000, 0xff80},
+        {0x7fc00001, 0x7fc0}, {0x7f7fffff, 0x7f80}, /* the largest float rounds to inf */
+        {0x00018000, 0x0002},                       /* a denormal tie rounds to even */
+        {0x80000000, 0x8000},
+    };
+    for (size_t i = 0; i < sizeof bf / sizeof *bf; i++) {
+        float f;
+        memcpy(&f, &bf[i].f, 4);
+        cr_expect_eq(kw__f32_to_bf16(f), bf[i].bf16, "bf16(0x%08x)", bf[i].f);
+    }
+    static const struct {
+        float f;
+        uint16_t h;
+    } to_half[] = {{1.0f, 0x3c00}, {-2.5f, 0xc100}, {65504.0f, 0x7bff}, {65520.0f, 0x7c00} /* rounds to inf */,
+                   {0x1p-14f, 0x0400}, {0x1p-24f, 0x0001}, {0x1p-25f, 0x0000} /* tie to even */,
+                   {0x1.8p-24f, 0x0002} /* tie to even */, {1.00048828125f, 0x3c00} /* tie to even */,
+                   {1.00146484375f, 0x3c02} /* tie to even */},
+      from_half[] = {{1.0f, 0x3c00}, {-2.5f, 0xc100}, {65504.0f, 0x7bff}, {INFINITY, 0x7c00},
+                     {0x1p-14f, 0x0400}, {0x1p-24f, 0x0001}, {0x1.8p-23f, 0x0003}, {-0.0f, 0x8000}};
+    for (size_t i = 0; i < sizeof to_half / sizeof *to_half; i++)
+        cr_expect_eq(kw__f32_to_f16(to_half[i].f), to_half[i].h, "f16(%a) = 0x%04x", to_half[i].f,
+                     kw__f32_to_f16(to_half[i].f));
+    for (size_t i = 0; i < sizeof from_half / sizeof *from_half; i++)
+        cr_expect_eq(kw__f16_to_f32(from_half[i].h), from_half[i].f, "f16 0x%04x", from_half[i].h);
+
+    tt_rng r = {29};
+    tt_case k = {0};
+    kw_tensor *x = tt_tensor(&k, 1, KW_F32, 1, TT_DIMS(6), NULL, 0, 0, &r);
+    kw_tensor *y = tt_tensor(&k, 0, KW_I32, 1, TT_DIMS(6), NULL, 0, 0, &r);
+    const float xv[6] = {2.9f, -2.9f, NAN, 1e30f, -1e30f, 0.0f};
+    for (int64_t i = 0; i < 6; i++) tt_set(x, &i, xv[i]);
+    tt_run(KW_OP_CONVERT, kw_op_get(KW_OP_CONVERT)->kernel[KW_ISA_SCALAR], &k.c, 1);
+    const int32_t want[6] = {2, -2, 0, INT32_MAX, INT32_MIN, 0}; /* truncated; NaN 0; saturated */
+    for (int64_t i = 0; i < 6; i++) cr_expect_eq(((int32_t *)y->data)[i], want[i], "int32(%g)", xv[i]);
+    tt_free(&k);
+}
+
+/* rotary slots: y 0, x 1, cos 2, sin 3; ip[0] mode, ip[1] rotated dims. */
+static void rotary_case(tt_case *k, kw_dtype xt, kw_dtype ct, int64_t B, int64_t H, int64_t S, int64_t D, int64_t R,
+                        int in_place, tt_rng *r) {
+    /* x as [B, S, H, D] memory seen as [B, H, S, D] (HF's transpose(1, 2)) */
+    const int64_t st[4] = {S * H * D, D, H * D, 1};
+    tt_tensor(k, 1, xt, 4, TT_DIMS(B, H, S, D), st, -3, 3, r);
+    const kw_dtype yt = xt == KW_F32 || ct == KW_F32 ? KW_F32 : KW_BF16;
+    if (in_place && yt == xt)
+        tt_alias(k, 0, 1);
+    else
+        tt_tensor(k, 0, yt, 4, TT_DIMS(B, H, S, D), NULL, 0, 0, r);
+    tt_tensor(k, 2, ct, 4, TT_DIMS(B, 1, S, R), NULL, -1, 1, r); /* cos[position_ids].unsqueeze(1) */
+    tt_tensor(k, 3, ct, 3, TT_DIMS(1, S, R), NULL, -1, 1, r);    /* rank 3: broadcast from the left */
+}
+
+Test(rotary, every_variant_matches_the_reference) {
+    tt_rng r = {30};
+    static const int64_t Ds[] = {2, 8, 30, 64, 80, 128};
+    for (int trial = 0; trial < 96; trial++) {
+        const kw_dtype xt = fdt[trial % 2], ct = fdt[trial / 2 % 2];
+        const int64_t D = Ds[tt_int(&r, 0, 5)], R = trial % 3 ? D : 2 * tt_int(&r, 1, D / 2);
+        tt_case k = {0};
+        rotary_case(&k, xt, ct, tt_int(&r, 1, 2), tt_int(&r, 1, 4), tt_int(&r, 1, 3), D, R, trial % 5 == 0, &r);
+        k.c.ip[0] = trial / 4 % 2 ? KW_ROPE_INTERLEAVED : KW_ROPE_HALF;
+        k.c.ip[1] = R == D && trial % 2 ? 0 : R;
+        tt_check_variants(KW_OP_ROTARY, &k, exact, "rotary");
+        tt_free(&k);
+    }
+}
+
+/* HF's formula with eager's roundings, written out: round(round(x·cos) + round(rot(x)·sin)). */
+Test(rotary, reference_matches_hf_formula) {
+    tt_rng r = {31};
+    for (int mode = 0; mode < 2; mode++)
+        for (int bf = 0; bf < 2; bf++) {
+            const kw_dtype dt = bf ? KW_BF16 : KW_F32;
+            const int64_t D = 16;
+            tt_case k = {0};
+            rotary_case(&k, dt, dt, 1, 2, 3, D, D, 0, &r);
+            k.c.ip[0] = mode;
+            tt_run(KW_OP_ROTARY, kw_op_get(KW_OP_ROTARY)->kernel[KW_ISA_SCALAR], &k.c, 1);
+            for (int64_t h = 0; h < 2; h++)
+                for (int64_t s = 0; s < 3; s++)
+                    for (int64_t i = 0; i < D; i++) {
+                        const int64_t j = mode ? i ^ 1 : (i + D / 2) % D;
+                        const double sign = mode ? (i % 2 ? 1 : -1) : (i < D / 2 ? -1 : 1);
+                        const double x = tt_get(&k.c.t[1], (int64_t[]){0, h, s, i});
+                        const double rot = sign * tt_get(&k.c.t[1], (int64_t[]){0, h, s, j});
+                        const double c = tt_get(&k.c.t[2], (int64_t[]){0, 0, s, i}),
+                                     sn = tt_get(&k.c.t[3], (int64_t[]){0, s, i});
+                        const float a = kw__round_to((float)(x * c), dt), b = kw__round_to((float)(rot * sn), dt);
+                        const float want = kw__round_to(a + b, dt);
+                        cr_expect_eq(tt_get(&k.c.t[0], (int64_t[]){0, h, s, i}), want, "mode %d bf16 %d [%lld,%lld,%lld]",
+                                     mode, bf, (long long)h, (long long)s, (long long)i);
+                    }
+            tt_free(&k);
+        }
+}
+
+Test(rotary, check_names_the_bad_slot) {
+    tt_rng r = {32};
+    tt_case k = {0};
+    rotary_case(&k, KW_F32, KW_F32, 1, 2, 3, 8, 8, 0, &r);
+    k.c.ip[1] = 3;
+    tt_expect_reject(KW_OP_ROTARY, &k.c, KW_EINVAL, "rotary: ip[1]");
+    k.c.ip[1] = 6;
+    tt_expect_reject(KW_OP_ROTARY, &k.c, KW_ESHAPE, "rotary: cos must be");
+    tt_free(&k);
+}

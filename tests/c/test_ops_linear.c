@@ -1,0 +1,284 @@
+/* linear, linear_multi and matmul_dnnl: every variant against the scalar
+ * reference, and the reference against double precision.
+ *
+ * Tolerances. f32 outputs differ from the reference only in summation order
+ * (FMA, per-lane partial sums, dpbf16 pairs): with |x|, |w| <= 1 each output's
+ * rounding error stays well below 1e-7 * K, so atol = 1e-7 * K + rtol 1e-6.
+ * bf16 outputs may also round to the neighbouring bf16 when the f32 sums differ
+ * in the last bits: rtol 2^-7 (one bf16 ulp). */
+#include <criterion/criterion.h>
+#include <math.h>
+
+#include "kw_ops_impl.h"
+#include "test_ops_util.h"
+
+static tt_tol lin_tol(kw_dtype yt, int64_t K) {
+    return (tt_tol){1e-7 * (double)K + 1e-6, yt == KW_BF16 ? 0x1p-7 : 1e-6};
+}
+
+static const int64_t Ms[] = {1, 2, 3, 4, 5, 7, 16};
+static const int64_t Ks[] = {1, 7, 16, 17, 31, 32, 33, 64, 100, 257};
+static const int64_t Ns[] = {1, 3, 4, 5, 17, 40};
+#define PICK(a, r) ((a)[tt_int(r, 0, (int64_t)(sizeof(a) / sizeof *(a)) - 1)])
+
+/* x [.., M, K] (rows maybe padded), weight [N, K] (rows maybe padded). */
+static void make_x_w(tt_case *k, int xs, int ws, kw_dtype xt, kw_dtype wt, int64_t M, int64_t K, int64_t N,
+                     tt_rng *r) {
+    tt_padded(k, xs, xt, 3, TT_DIMS(1, M, K), tt_int(r, 0, 1) * tt_int(r, 1, 9), -1, 1, r);
+    tt_padded(k, ws, wt, 2, TT_DIMS(N, K), tt_int(r, 0, 1) * tt_int(r, 1, 9), -1, 1, r);
+}
+
+Test(linear, every_variant_matches_the_reference) {
+    tt_rng r = {1};
+    static const kw_dtype pairs[][2] = {{KW_F32, KW_F32}, {KW_F32, KW_BF16}, {KW_BF16, KW_BF16}};
+    for (int trial = 0; trial < 150; trial++) {
+        const kw_dtype xt = pairs[trial % 3][0], wt = pairs[trial % 3][1];
+        const int64_t M = trial < 30 ? (trial % 2 ? 1 : 7) : PICK(Ms, &r), K = PICK(Ks, &r), N = PICK(Ns, &r);
+        tt_case k = {0};
+        make_x_w(&k, 1, 2, xt, wt, M, K, N, &r);
+        tt_padded(&k, 0, xt, 3, TT_DIMS(1, M, N), tt_int(&r, 0, 1) * 3, -1, 1, &r);
+        if (tt_int(&r, 0, 1)) tt_tensor(&k, 3, tt_int(&r, 0, 1) ? KW_F32 : KW_BF16, 1, TT_DIMS(N), NULL, -1, 1, &r);
+        char what[96];
+        snprintf(what, sizeof what, "x %s w %s M=%lld K=%lld N=%lld", kw_dtype_name(xt), kw_dtype_name(wt),
+                 (long long)M, (long long)K, (long long)N);
+        tt_check_variants(KW_OP_LINEAR, &k, lin_tol(xt, K), what);
+        tt_free(&k);
+    }
+}
+
+/* Weight slot 2 as [K / B, N, B]: W[n, kb·B + j] at [kb, n, j], rows maybe padded. */
+static kw_tensor *make_blocked_w(tt_case *k, int slot, kw_dtype wt, int64_t K, int64_t N, int64_t B, tt_rng *r) {
+    const int64_t pad = tt_int(r, 0, 1) * 3;
+    return tt_tensor(k, slot, wt, 3, TT_DIMS(K / B, N, B), TT_DIMS(N * (B + pad), B + pad, 1), -1, 1, r);
+}
+
+Test(linear, k_blocked_weights_match_the_reference_and_the_plain_layout) {
+    tt_rng r = {11};
+    static const kw_dtype pairs[][2] = {{KW_F32, KW_F32}, {KW_F32, KW_BF16}, {KW_BF16, KW_BF16}};
+    static const int64_t Bs[] = {1, 16, 17, 32, 64};
+    for (int trial = 0; trial < 60; trial++) {
+        const kw_dtype xt = pairs[trial % 3][0], wt = pairs[trial % 3][1];
+        const int64_t B = Bs[tt_int(&r, 0, 4)], K = B * tt_int(&r, 1, 5), N = PICK(Ns, &r);
+        const int64_t M = trial < 20 ? 1 : PICK(Ms, &r);
+        tt_case k = {0};
+        tt_padded(&k, 1, xt, 2, TT_DIMS(M, K), tt_int(&r, 0, 2), -1, 1, &r);
+        kw_tensor *w = make_blocked_w(&k, 2, wt, K, N, B, &r);
+        kw_tensor *y = tt_tensor(&k, 0, xt, 2, TT_DIMS(M, N), NULL, 0, 0, &r);
+        if (trial % 4 == 0) tt_tensor(&k, 3, KW_F32, 1, TT_DIMS(N), NULL, -1, 1, &r);
+        tt_check_variants(KW_OP_LINEAR, &k, lin_tol(xt, K), "k-blocked");
+
+        /* The same weights in [N, K]: the best variant gives the same result. */
+        tt_case plain = {0};
+        plain.c = k.c;
+        kw_tensor *wp = tt_tensor(&plain, 2, wt, 2, TT_DIMS(N, K), NULL, 0, 0, &r);
+        kw_tensor *yp = tt_tensor(&plain, 0, xt, 2, TT_DIMS(M, N), NULL, 0, 0, &r);
+        for (int64_t n = 0; n < N; n++)
+            for (int64_t i = 0; i < K; i++) tt_set(wp, (int64_t[]){n, i}, tt_get(w, (int64_t[]){i / B, n, i % B}));
+        tt_run(KW_OP_LINEAR, kw_op_kernel(KW_OP_LINEAR, kw_cpu_isa()), &plain.c, 2);
+        tt_run(KW_OP_LINEAR, kw_op_kernel(KW_OP_LINEAR, kw_cpu_isa()), &k.c, 2);
+        const tt_tol tol = lin_tol(xt, K);
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t n = 0; n < N; n++) {
+                const double a = tt_get(y, (int64_t[]){m, n}), b = tt_get(yp, (int64_t[]){m, n});
+                cr_assert_leq(fabs(a - b), tol.atol + tol.rtol * fabs(b), "B=%lld K=%lld y[%lld,%lld]: %g vs %g",
+                              (long long)B, (long long)K, (long long)m, (long long)n, a, b);
+            }
+        tt_free(&plain);
+        tt_free(&k);
+    }
+    cr_expect_eq(kw_linear_block(2048), 0);
+    cr_expect_eq(kw_linear_block(8192), KW_LINEAR_BLOCK);
+    cr_expect_eq(kw_linear_block(8192 + 1), 0);
+}
+
+Test(linear, long_rows_and_many_outputs) {
+    tt_rng r = {2};
+    static const kw_dtype pairs[][2] = {{KW_F32, KW_F32}, {KW_F32, KW_BF16}, {KW_BF16, KW_BF16}};
+    for (int p = 0; p < 3; p++) {
+        tt_case k = {0};
+        const int64_t M = 1 + p * 3, K = 2051, N = 70;
+        make_x_w(&k, 1, 2, pairs[p][0], pairs[p][1], M, K, N, &r);
+        tt_tensor(&k, 0, pairs[p][0], 2, TT_DIMS(M, N), NULL, 0, 0, &r);
+        tt_check_variants(KW_OP_LINEAR, &k, lin_tol(pairs[p][0], K), "long rows");
+        tt_free(&k);
+    }
+}
+
+/* Exactly representable sums: the reference must be exact, and so every variant. */
+Test(linear, reference_is_exact_on_exact_inputs) {
+    static const float x[2][3] = {{0.5f, -1.25f, 3.0f}, {2.0f, 0.25f, -0.75f}};
+    static const float w[4][3] = {{1, 2, 3}, {-0.5f, 0.5f, 0}, {4, -4, 0.125f}, {0, 0, 1}};
+    static const float b[4] = {0.5f, -1, 0, 2};
+    for (int wbf = 0; wbf < 2; wbf++)
+        for (int xbf = 0; xbf <= wbf; xbf++) {
+            tt_case k = {0};
+            tt_rng r = {3};
+            const kw_dtype xt = xbf ? KW_BF16 : KW_F32, wt = wbf ? KW_BF16 : KW_F32;
+            kw_tensor *tx = tt_tensor(&k, 1, xt, 2, TT_DIMS(2, 3), NULL, 0, 0, &r);
+            kw_tensor *tw = tt_tensor(&k, 2, wt, 2, TT_DIMS(4, 3), NULL, 0, 0, &r);
+            kw_tensor *tb = tt_tensor(&k, 3, KW_F32, 1, TT_DIMS(4), NULL, 0, 0, &r);
+            kw_tensor *ty = tt_tensor(&k, 0, xt, 2, TT_DIMS(2, 4), NULL, 0, 0, &r);
+            for (int64_t i = 0; i < 2; i++)
+                for (int64_t j = 0; j < 3; j++) tt_set(tx, (int64_t[]){i, j}, x[i][j]);
+            for (int64_t i = 0; i < 4; i++) {
+                tt_set(tb, (int64_t[]){i}, b[i]);
+                for (int64_t j = 0; j < 3; j++) tt_set(tw, (int64_t[]){i, j}, w[i][j]);
+            }
+            for (int isa = 0; isa <= (int)kw_cpu_isa(); isa++) {
+                tt_run(KW_OP_LINEAR, kw_op_get(KW_OP_LINEAR)->kernel[isa], &k.c, 2);
+                for (int64_t i = 0; i < 2; i++)
+                    for (int64_t n = 0; n < 4; n++) {
+                        double want = b[n];
+                        for (int j = 0; j < 3; j++) want += (double)x[i][j] * w[n][j];
+                        cr_expect_eq(tt_get(ty, (int64_t[]){i, n}), want, "%s y[%lld,%lld]", kw_isa_name((kw_isa)isa),
+                                     (long long)i, (long long)n);
+                    }
+            }
+            tt_free(&k);
+        }
+}
+
+/* Random inputs against a double-precision sum of the same (widened) values. */
+Test(linear, reference_matches_double_precision) {
+    tt_rng r = {4};
+    const int64_t M = 3, K = 1000, N = 9;
+    tt_case k = {0};
+    kw_tensor *x = tt_tensor(&k, 1, KW_F32, 2, TT_DIMS(M, K), NULL, -1, 1, &r);
+    kw_tensor *w = tt_tensor(&k, 2, KW_BF16, 2, TT_DIMS(N, K), NULL, -1, 1, &r);
+    kw_tensor *y = tt_tensor(&k, 0, KW_F32, 2, TT_DIMS(M, N), NULL, 0, 0, &r);
+    tt_run(KW_OP_LINEAR, kw_op_get(KW_OP_LINEAR)->kernel[KW_ISA_SCALAR], &k.c, 1);
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t n = 0; n < N; n++) {
+            double want = 0, mag = 0;
+            for (int64_t i = 0; i < K; i++) {
+                const double p = tt_get(x, (int64_t[]){m, i}) * tt_get(w, (int64_t[]){n, i});
+                want += p, mag += fabs(p);
+            }
+            cr_expect_leq(fabs(tt_get(y, (int64_t[]){m, n}) - want), 1e-6 * mag, "y[%lld,%lld]", (long long)m, (long long)n);
+        }
+    tt_free(&k);
+}
+
+Test(linear, check_names_the_bad_slot) {
+    tt_rng r = {5};
+    tt_case k = {0};
+    tt_tensor(&k, 1, KW_F32, 2, TT_DIMS(2, 8), NULL, -1, 1, &r);
+    tt_tensor(&k, 2, KW_BF16, 2, TT_DIMS(4, 9), NULL, -1, 1, &r);
+    tt_tensor(&k, 0, KW_F32, 2, TT_DIMS(2, 4), NULL, 0, 0, &r);
+    tt_expect_reject(KW_OP_LINEAR, &k.c, KW_ESHAPE, "linear: weight must be");
+    tt_free(&k);
+
+    tt_tensor(&k, 1, KW_BF16, 2, TT_DIMS(2, 8), NULL, -1, 1, &r);
+    tt_tensor(&k, 2, KW_BF16, 2, TT_DIMS(4, 8), NULL, -1, 1, &r);
+    tt_tensor(&k, 0, KW_F32, 2, TT_DIMS(2, 4), NULL, 0, 0, &r);
+    tt_expect_reject(KW_OP_LINEAR, &k.c, KW_EDTYPE, "output 0 must have x's dtype bfloat16");
+    tt_free(&k);
+
+    tt_tensor(&k, 1, KW_F32, 2, TT_DIMS(2, 8), NULL, -1, 1, &r);
+    tt_tensor(&k, 2, KW_F32, 2, TT_DIMS(4, 8), NULL, -1, 1, &r);
+    tt_tensor(&k, 3, KW_F32, 1, TT_DIMS(5), NULL, -1, 1, &r);
+    tt_tensor(&k, 0, KW_F32, 2, TT_DIMS(2, 4), NULL, 0, 0, &r);
+    tt_expect_reject(KW_OP_LINEAR, &k.c, KW_ESHAPE, "linear: bias must be");
+    tt_free(&k);
+}
+
+/* linear_multi: slots y0..y3 (4), x (4), weight (5), bias (6). */
+Test(linear_multi, every_variant_matches_the_reference) {
+    tt_rng r = {6};
+    for (int trial = 0; trial < 60; trial++) {
+        const kw_dtype xt = trial % 3 == 2 ? KW_BF16 : KW_F32, wt = trial % 3 ? KW_BF16 : KW_F32;
+        const int n_out = (int)tt_int(&r, 1, 4);
+        const int64_t M = trial % 2 ? 1 : PICK(Ms, &r), K = PICK(Ks, &r);
+        int64_t N = 0;
+        tt_case k = {0};
+        for (int j = 0; j < n_out; j++) {
+            const int64_t n = PICK(Ns, &r);
+            tt_padded(&k, j, xt, 2, TT_DIMS(M, n), tt_int(&r, 0, 2), 0, 0, &r);
+            N += n;
+        }
+        make_x_w(&k, 4, 5, xt, wt, M, K, N, &r);
+        if (trial % 4 == 0) tt_tensor(&k, 6, xt, 1, TT_DIMS(N), NULL, -1, 1, &r);
+        tt_check_variants(KW_OP_LINEAR_MULTI, &k, lin_tol(xt, K), "linear_multi");
+        tt_free(&k);
+    }
+}
+
+/* Split outputs hold exactly the columns of the one concatenated output. */
+Test(linear_multi, split_outputs_equal_the_concatenated_linear) {
+    tt_rng r = {7};
+    const int64_t M = 2, K = 40, sizes[3] = {24, 8, 8}, N = 40;
+    tt_case multi = {0}, cat = {0};
+    for (int j = 0; j < 3; j++) tt_tensor(&multi, j, KW_F32, 2, TT_DIMS(M, sizes[j]), NULL, 0, 0, &r);
+    make_x_w(&multi, 4, 5, KW_F32, KW_BF16, M, K, N, &r);
+    cat.c.t[1] = multi.c.t[4];
+    cat.c.t[2] = multi.c.t[5];
+    kw_tensor *y = tt_tensor(&cat, 0, KW_F32, 2, TT_DIMS(M, N), NULL, 0, 0, &r);
+    const kw_isa isa = kw_cpu_isa();
+    tt_run(KW_OP_LINEAR_MULTI, kw_op_kernel(KW_OP_LINEAR_MULTI, isa), &multi.c, 3);
+    tt_run(KW_OP_LINEAR, kw_op_kernel(KW_OP_LINEAR, isa), &cat.c, 2);
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t n = 0, j = 0, col = 0; n < N; n++, col++) {
+            if (col == sizes[j]) j++, col = 0;
+            cr_expect_eq(tt_get(&multi.c.t[j], (int64_t[]){m, col}), tt_get(y, (int64_t[]){m, n}), "y%lld[%lld,%lld]",
+                         (long long)j, (long long)m, (long long)col);
+        }
+    cat.mem[1] = cat.mem[2] = NULL; /* owned by multi */
+    tt_free(&cat);
+    tt_free(&multi);
+}
+
+Test(linear_multi, k_blocked_weights) {
+    tt_rng r = {12};
+    for (int trial = 0; trial < 12; trial++) {
+        const kw_dtype xt = trial % 3 == 2 ? KW_BF16 : KW_F32, wt = trial % 3 ? KW_BF16 : KW_F32;
+        const int64_t B = 32, K = 96, M = trial % 2 ? 1 : 5;
+        int64_t N = 0;
+        tt_case k = {0};
+        for (int j = 0; j < 3; j++) {
+            const int64_t n = PICK(Ns, &r);
+            tt_tensor(&k, j, xt, 2, TT_DIMS(M, n), NULL, 0, 0, &r);
+            N += n;
+        }
+        tt_tensor(&k, 4, xt, 2, TT_DIMS(M, K), NULL, -1, 1, &r);
+        make_blocked_w(&k, 5, wt, K, N, B, &r);
+        tt_check_variants(KW_OP_LINEAR_MULTI, &k, lin_tol(xt, K), "linear_multi k-blocked");
+        tt_free(&k);
+    }
+}
+
+Test(linear_multi, check_names_the_bad_slot) {
+    tt_rng r = {8};
+    tt_case k = {0};
+    tt_tensor(&k, 0, KW_F32, 2, TT_DIMS(1, 4), NULL, 0, 0, &r);
+    tt_tensor(&k, 2, KW_F32, 2, TT_DIMS(1, 4), NULL, 0, 0, &r);
+    tt_tensor(&k, 4, KW_F32, 2, TT_DIMS(1, 8), NULL, -1, 1, &r);
+    tt_tensor(&k, 5, KW_F32, 2, TT_DIMS(8, 8), NULL, -1, 1, &r);
+    tt_expect_reject(KW_OP_LINEAR_MULTI, &k.c, KW_EINVAL, "output 2 given but output 1 absent");
+    tt_free(&k);
+}
+
+/* oneDNN blocks and orders its sums its own way; bf16 goes through vdpbf16ps. */
+Test(matmul_dnnl, matches_the_reference) {
+    tt_rng r = {9};
+    static const int64_t Mm[] = {1, 7, 33, 64};
+    for (int t = 0; t < 8; t++) {
+        const kw_dtype dt = t % 2 ? KW_BF16 : KW_F32;
+        const int64_t M = Mm[t / 2], K = 67, N = 45;
+        tt_case k = {0};
+        make_x_w(&k, 1, 2, dt, dt, M, K, N, &r);
+        tt_tensor(&k, 0, dt, 3, TT_DIMS(1, M, N), NULL, 0, 0, &r);
+        if (t % 3) tt_tensor(&k, 3, dt, 1, TT_DIMS(N), NULL, -1, 1, &r);
+        tt_check_variants(KW_OP_MATMUL_DNNL, &k, lin_tol(dt, K), "matmul_dnnl");
+        tt_free(&k);
+    }
+}
+
+Test(matmul_dnnl, rejects_mixed_dtypes) {
+    tt_rng r = {10};
+    tt_case k = {0};
+    tt_tensor(&k, 1, KW_F32, 2, TT_DIMS(4, 8), NULL, -1, 1, &r);
+    tt_tensor(&k, 2, KW_BF16, 2, TT_DIMS(4, 8), NULL, -1, 1, &r);
+    tt_tensor(&k, 0, KW_F32, 2, TT_DIMS(4, 4), NULL, 0, 0, &r);
+    tt_expect_reject(KW_OP_MATMUL_DNNL, &k.c, KW_EDTYPE, "matmul_dnnl: weight and bias must have x's dtype");
+    tt_free(&k);
+}

@@ -1,0 +1,251 @@
+/* softmax, argmax, embedding, kv_write, attention: every variant against the
+ * scalar reference, and the reference against hand-computed or double values.
+ *
+ * Tolerances. argmax, embedding and kv_write copy or compare: exact. softmax and
+ * attention differ from the reference by the vector expf (about 1 ulp) and the
+ * order of f32 sums: f32 rtol 1e-5 with atol 2e-6 (sums of terms of either sign
+ * can be near 0); bf16 outputs one bf16 ulp more (rtol 2^-7). Attention over a
+ * bf16 cache rounds each probability to bf16 before it multiplies V, and a 1-ulp
+ * difference in f32 can move that rounding by one bf16 ulp (2^-8 relative): with
+ * |v| <= 2 the output may move by up to 2^-8 · 2 in the worst case, atol 8e-3. */
+#include <criterion/criterion.h>
+#include <float.h>
+#include <math.h>
+
+#include "kw_ops_impl.h"
+#include "test_ops_util.h"
+
+static const tt_tol exact = {0, 0};
+static const kw_dtype fdt[] = {KW_F32, KW_BF16};
+
+/* ---- softmax / argmax: slots y 0, x 1 ---- */
+
+Test(softmax, every_variant_matches_the_reference) {
+    tt_rng r = {41};
+    static const int64_t Ns[] = {1, 3, 16, 17, 100, 1000};
+    for (int trial = 0; trial < 48; trial++) {
+        const kw_dtype xt = fdt[trial % 2], yt = fdt[trial / 2 % 2];
+        const int64_t N = Ns[tt_int(&r, 0, 5)], M = tt_int(&r, 1, 5);
+        tt_case k = {0};
+        kw_tensor *x = tt_padded(&k, 1, xt, 2, TT_DIMS(M, N), tt_int(&r, 0, 2), -20, 20, &r);
+        tt_padded(&k, 0, yt, 2, TT_DIMS(M, N), tt_int(&r, 0, 2), 0, 0, &r);
+        if (trial % 5 == 0) tt_set(x, (int64_t[]){0, N - 1}, -INFINITY);
+        if (trial % 7 == 0) tt_set(x, (int64_t[]){M - 1, 0}, NAN);
+        tt_check_variants(KW_OP_SOFTMAX, &k, (tt_tol){2e-6, yt == KW_BF16 ? 0x1p-7 : 1e-5}, "softmax");
+        tt_free(&k);
+    }
+}
+
+Test(softmax, reference_matches_double_precision) {
+    tt_rng r = {42};
+    const int64_t N = 77;
+    tt_case k = {0};
+    kw_tensor *x = tt_tensor(&k, 1, KW_F32, 1, TT_DIMS(N), NULL, -30, 30, &r);
+    kw_tensor *y = tt_tensor(&k, 0, KW_F32, 1, TT_DIMS(N), NULL, 0, 0, &r);
+    tt_run(KW_OP_SOFTMAX, kw_op_get(KW_OP_SOFTMAX)->kernel[KW_ISA_SCALAR], &k.c, 1);
+    double m = -INFINITY, s = 0;
+    for (int64_t i = 0; i < N; i++) m = fmax(m, tt_get(x, &i));
+    for (int64_t i = 0; i < N; i++) s += exp(tt_get(x, &i) - m);
+    for (int64_t i = 0; i < N; i++) {
+        const double want = exp(tt_get(x, &i) - m) / s;
+        cr_expect_leq(fabs(tt_get(y, &i) - want), 4e-6 * want + 1e-30, "y[%lld] = %.9g, want %.9g", (long long)i,
+                      tt_get(y, &i), want);
+    }
+    tt_free(&k);
+}
+
+Test(argmax, every_variant_matches_the_reference) {
+    tt_rng r = {43};
+    static const int64_t Ns[] = {1, 2, 15, 16, 17, 1000, 128256};
+    for (int trial = 0; trial < 42; trial++) {
+        const kw_dtype xt = fdt[trial % 2];
+        const int64_t N = Ns[trial / 2 % 7], M = tt_int(&r, 1, 4);
+        tt_case k = {0};
+        kw_tensor *x = tt_padded(&k, 1, xt, 2, TT_DIMS(M, N), tt_int(&r, 0, 2), -4, 4, &r);
+        tt_tensor(&k, 0, KW_I64, 1, TT_DIMS(M), NULL, 0, 0, &r);
+        /* ties (bf16 has few values), a NaN, an inf, an all -inf row */
+        if (trial % 3 == 0) tt_set(x, (int64_t[]){0, tt_int(&r, 0, N - 1)}, NAN);
+        if (trial % 4 == 1) tt_set(x, (int64_t[]){M - 1, tt_int(&r, 0, N - 1)}, INFINITY);
+        if (trial % 5 == 2)
+            for (int64_t i = 0; i < N; i++) tt_set(x, (int64_t[]){M - 1, i}, -INFINITY);
+        if (trial % 6 == 3) {
+            tt_set(x, (int64_t[]){0, N / 3}, 9);
+            tt_set(x, (int64_t[]){0, N - 1}, 9);
+        }
+        tt_check_variants(KW_OP_ARGMAX, &k, exact, "argmax");
+        tt_free(&k);
+    }
+}
+
+Test(argmax, reference_by_hand) {
+    static const float rows[][5] = {{1, 3, 3, 2, 0}, {-1, -1, -1, -1, -1}, {0, 2, NAN, 5, NAN}, {-INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY}};
+    static const int64_t want[] = {1, 0, 2, 0};
+    tt_rng r = {44};
+    tt_case k = {0};
+    kw_tensor *x = tt_tensor(&k, 1, KW_F32, 2, TT_DIMS(4, 5), NULL, 0, 0, &r);
+    tt_tensor(&k, 0, KW_I64, 2, TT_DIMS(4, 1), NULL, 0, 0, &r);
+    for (int64_t i = 0; i < 4; i++)
+        for (int64_t j = 0; j < 5; j++) tt_set(x, (int64_t[]){i, j}, rows[i][j]);
+    tt_run(KW_OP_ARGMAX, kw_op_get(KW_OP_ARGMAX)->kernel[KW_ISA_SCALAR], &k.c, 1);
+    for (int i = 0; i < 4; i++) cr_expect_eq(((int64_t *)k.c.t[0].data)[i], want[i], "row %d", i);
+    tt_free(&k);
+}
+
+/* ---- embedding: slots y 0, ids 1, table 2 ---- */
+
+Test(embedding, gathers_rows_and_marks_bad_ids) {
+    tt_rng r = {45};
+    for (int trial = 0; trial < 8; trial++) {
+        const kw_dtype tt = fdt[trial % 2], yt = fdt[trial / 2 % 2];
+        const int64_t V = 50, D = 33;
+        tt_case k = {0};
+        kw_tensor *ids = tt_tensor(&k, 1, trial / 4 ? KW_I32 : KW_I64, 2, TT_DIMS(2, 3), NULL, 0, V - 1, &r);
+        kw_tensor *tab = tt_padded(&k, 2, tt, 2, TT_DIMS(V, D), 3, -2, 2, &r);
+        kw_tensor *y = tt_tensor(&k, 0, yt, 3, TT_DIMS(2, 3, D), NULL, 0, 0, &r);
+        tt_set(ids, (int64_t[]){1, 2}, V); /* out of range */
+        tt_check_variants(KW_OP_EMBEDDING, &k, exact, "embedding");
+        for (int64_t i = 0; i < 2; i++)
+            for (int64_t j = 0; j < 3; j++)
+                for (int64_t d = 0; d < D; d++) {
+                    const double got = tt_get(y, (int64_t[]){i, j, d});
+                    if (i == 1 && j == 2)
+                        cr_expect(isnan(got));
+                    else
+                        cr_expect_eq(got, kw__round_to((float)tt_get(tab, (int64_t[]){(int64_t)tt_get(ids, (int64_t[]){i, j}), d}), yt));
+                }
+        tt_free(&k);
+    }
+}
+
+/* ---- kv_write: slots cache 0, src 1, pos 2 ---- */
+
+Test(kv_write, writes_rows_at_positions_in_place) {
+    tt_rng r = {46};
+    for (int trial = 0; trial < 8; trial++) {
+        const kw_dtype ct = fdt[trial % 2], st = fdt[trial / 2 % 2];
+        const int64_t B = 2, H = 3, S = 11, D = 20, T = trial / 4 ? 4 : 1;
+        tt_case k = {0};
+        kw_tensor *cache = tt_padded(&k, 0, ct, 4, TT_DIMS(B, H, S, D), 2, -1, 1, &r);
+        /* src as HF makes it: [B, T, H, D] memory viewed as [B, H, T, D] */
+        kw_tensor *src = tt_tensor(&k, 1, st, 4, TT_DIMS(B, H, T, D), TT_DIMS(T * H * D, D, H * D, 1), -1, 1, &r);
+        kw_tensor *pos = tt_tensor(&k, 2, KW_I64, 1, TT_DIMS(T), NULL, 0, 0, &r);
+        const int64_t ps[4] = {5, 0, S, 10}; /* S is outside: skipped */
+        for (int64_t t = 0; t < T; t++) tt_set(pos, &t, ps[t]);
+        tt_case before = {0};
+        tt_tensor(&before, 0, ct, 1, TT_DIMS((int64_t)(k.bytes[0] / kw_dtype_size(ct))), NULL, 0, 0, &r);
+        memcpy(before.mem[0], k.mem[0], k.bytes[0]);
+        tt_check_variants(KW_OP_KV_WRITE, &k, exact, "kv_write");
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t h = 0; h < H; h++)
+                for (int64_t s = 0; s < S; s++) {
+                    int64_t t = -1;
+                    for (int64_t i = 0; i < T; i++)
+                        if (ps[i] == s) t = i;
+                    for (int64_t d = 0; d < D; d++) {
+                        const double got = tt_get(cache, (int64_t[]){b, h, s, d});
+                        kw_tensor old = *cache;
+                        old.data = before.mem[0];
+                        const double want = t >= 0 ? kw__round_to((float)tt_get(src, (int64_t[]){b, h, t, d}), ct)
+                                                   : tt_get(&old, (int64_t[]){b, h, s, d});
+                        cr_assert_eq(got, want, "[%lld,%lld,%lld,%lld]", (long long)b, (long long)h, (long long)s, (long long)d);
+                    }
+                }
+        tt_free(&before);
+        tt_free(&k);
+    }
+}
+
+/* ---- attention: slots out 0, q 1, k_cache 2, v_cache 3, mask 4; fp[0] scale ---- */
+
+enum mask_kind { MASK_NONE, MASK_BOOL, MASK_F32, MASK_BF16, MASK_KINDS };
+
+static void attention_case(tt_case *k, kw_dtype qt, kw_dtype ct, int64_t B, int64_t Hkv, int64_t G, int64_t S,
+                           int64_t D, int64_t Dv, enum mask_kind mk, int mask_b, tt_rng *r) {
+    const int64_t Hq = Hkv * G;
+    /* q and out as HF makes them: [B, 1, Hq, D] memory viewed as [B, Hq, 1, D] */
+    tt_tensor(k, 1, qt, 4, TT_DIMS(B, Hq, 1, D), TT_DIMS(Hq * D, D, Hq * D, 1), -2, 2, r);
+    tt_tensor(k, 0, qt, 4, TT_DIMS(B, Hq, 1, Dv), TT_DIMS(Hq * Dv, Dv, Hq * Dv, 1), 0, 0, r);
+    tt_padded(k, 2, ct, 4, TT_DIMS(B, Hkv, S, D), tt_int(r, 0, 1) * 5, -2, 2, r);
+    tt_padded(k, 3, ct, 4, TT_DIMS(B, Hkv, S, Dv), tt_int(r, 0, 1) * 5, -2, 2, r);
+    k->c.fp[0] = 1 / sqrt((double)D);
+    if (mk == MASK_NONE) return;
+    const kw_dtype mt = mk == MASK_BOOL ? KW_BOOL : mk == MASK_F32 ? KW_F32 : KW_BF16;
+    const int64_t mb = mask_b ? B : 1;
+    kw_tensor *m = tt_tensor(k, 4, mt, 4, TT_DIMS(mb, 1, 1, S), NULL, 0, 0, r);
+    const double drop = mk == MASK_F32 ? (tt_int(r, 0, 1) ? -INFINITY : -FLT_MAX) : -3.3895313892515355e38;
+    for (int64_t b = 0; b < mb; b++)
+        for (int64_t s = 0; s < S; s++) {
+            const int keep = s == 0 || tt_int(r, 0, 2) != 0; /* holes, position 0 always kept */
+            tt_set(m, (int64_t[]){b, 0, 0, s}, mt == KW_BOOL ? keep : keep ? tt_uniform(r, -3, 1) * (s % 2) : drop);
+        }
+}
+
+Test(attention, every_variant_matches_the_reference) {
+    tt_rng r = {47};
+    static const int64_t Gs[] = {1, 4, 5, 8, 9}, Ss[] = {1, 7, 64, 100, 300}, Ds[] = {8, 64, 72, 128, 256};
+    for (int trial = 0; trial < 80; trial++) {
+        const kw_dtype qt = fdt[trial % 2], ct = fdt[trial / 2 % 2];
+        const int64_t D = Ds[tt_int(&r, 0, 4)], Dv = trial % 5 ? D : Ds[tt_int(&r, 0, 4)];
+        tt_case k = {0};
+        attention_case(&k, qt, ct, tt_int(&r, 1, 2), tt_int(&r, 1, 3), trial < 20 ? 4 : Gs[tt_int(&r, 0, 4)],
+                       Ss[tt_int(&r, 0, 4)], D, Dv, (enum mask_kind)(trial / 4 % MASK_KINDS), trial % 3 != 0, &r);
+        tt_check_variants(KW_OP_ATTENTION, &k, (tt_tol){ct == KW_BF16 ? 8e-3 : 2e-6, qt == KW_BF16 ? 0x1p-7 : 1e-5},
+                          "attention");
+        tt_free(&k);
+    }
+}
+
+Test(attention, no_valid_position_gives_zeros) {
+    tt_rng r = {48};
+    tt_case k = {0};
+    attention_case(&k, KW_F32, KW_BF16, 2, 2, 4, 40, 16, 16, MASK_BOOL, 1, &r);
+    for (int64_t s = 0; s < 40; s++) tt_set(&k.c.t[4], (int64_t[]){1, 0, 0, s}, 0);
+    tt_check_variants(KW_OP_ATTENTION, &k, (tt_tol){8e-3, 1e-5}, "empty row");
+    for (int64_t h = 0; h < 8; h++)
+        for (int64_t d = 0; d < 16; d++) cr_expect_eq(tt_get(&k.c.t[0], (int64_t[]){1, h, 0, d}), 0.0);
+    tt_free(&k);
+}
+
+/* SDPA in double with repeat_kv done explicitly, the mask applied as PyTorch does. */
+Test(attention, reference_matches_double_precision) {
+    tt_rng r = {49};
+    for (int mk = 0; mk < MASK_KINDS; mk++) {
+        const int64_t B = 2, Hkv = 2, G = 3, S = 21, D = 10;
+        tt_case k = {0};
+        attention_case(&k, KW_F32, KW_F32, B, Hkv, G, S, D, D, (enum mask_kind)mk, 1, &r);
+        tt_run(KW_OP_ATTENTION, kw_op_get(KW_OP_ATTENTION)->kernel[KW_ISA_SCALAR], &k.c, 1);
+        const kw_tensor *o = &k.c.t[0], *q = &k.c.t[1], *kc = &k.c.t[2], *vc = &k.c.t[3], *m = &k.c.t[4];
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t h = 0; h < Hkv * G; h++) {
+                double s[21], mx = -INFINITY, sum = 0;
+                for (int64_t j = 0; j < S; j++) {
+                    double dot = 0;
+                    for (int64_t d = 0; d < D; d++) dot += tt_get(q, (int64_t[]){b, h, 0, d}) * tt_get(kc, (int64_t[]){b, h / G, j, d});
+                    s[j] = dot * k.c.fp[0];
+                    if (mk == MASK_BOOL && !tt_get(m, (int64_t[]){b, 0, 0, j})) s[j] = -INFINITY;
+                    if (mk > MASK_BOOL) s[j] += tt_get(m, (int64_t[]){b, 0, 0, j});
+                    mx = fmax(mx, s[j]);
+                }
+                for (int64_t j = 0; j < S; j++) sum += exp(s[j] - mx);
+                for (int64_t d = 0; d < D; d++) {
+                    double want = 0;
+                    for (int64_t j = 0; j < S; j++) want += exp(s[j] - mx) / sum * tt_get(vc, (int64_t[]){b, h / G, j, d});
+                    cr_expect_leq(fabs(tt_get(o, (int64_t[]){b, h, 0, d}) - want), 1e-5, "mask %d [%lld,%lld,%lld]", mk,
+                                  (long long)b, (long long)h, (long long)d);
+                }
+            }
+        tt_free(&k);
+    }
+}
+
+Test(attention, check_names_the_bad_slot) {
+    tt_rng r = {50};
+    tt_case k = {0};
+    attention_case(&k, KW_F32, KW_BF16, 1, 3, 1, 16, 8, 8, MASK_BOOL, 1, &r);
+    k.c.t[1].shape[1] = 4; /* Hq not a multiple of Hkv */
+    tt_expect_reject(KW_OP_ATTENTION, &k.c, KW_ESHAPE, "attention: k_cache must be");
+    k.c.t[1].shape[1] = 3;
+    k.c.t[4].shape[3] = 15;
+    tt_expect_reject(KW_OP_ATTENTION, &k.c, KW_ESHAPE, "attention: mask must be");
+    tt_free(&k);
+}
