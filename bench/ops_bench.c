@@ -1,7 +1,7 @@
 /* ops_bench — what kwker's kernels and pool reach on this machine, printed as
  * one JSON object (bench/ops.py builds and runs it; see bench/README.md).
  *
- *   ops_bench [--threads N] [--quick]
+ *   ops_bench [--threads N] [--quick] [--read-only]
  *
  * read_gbs       read bandwidth: the pool's threads each stream their slice of a
  *                2 GiB buffer (far beyond any L3); the faster of 32- and 64-byte
@@ -140,6 +140,31 @@ static void read_task(void *arg, int ith, int nth) {
     const size_t share = j->bytes / (size_t)nth / 256 * 256;
     const char *p = j->buf + share * (size_t)ith;
     j->sink[ith * 8] = j->zmm ? read_avx512(p, share) : read_avx2(p, share);
+}
+
+/* The read bandwidth alone (--read-only), for benchmarks that compare against it
+ * in their own run (bench/decode.py): median GB/s of the faster load width. */
+static double read_bandwidth(kw_pool *pool, int reps) {
+    read_job *rj = calloc(1, sizeof *rj);
+    rj->bytes = (size_t)1 << 31;
+    rj->buf = alloc_or_die(rj->bytes);
+    fill(pool, (void *)rj->buf, rj->bytes);
+    double t[2][64], best = 0;
+    const int widths = kw_cpu_isa() >= KW_ISA_AVX512 ? 2 : 1;
+    for (int r = -1; r < reps; r++)
+        for (int z = 0; z < widths; z++) {
+            rj->zmm = z;
+            const double t0 = now_s();
+            kw_pool_run(pool, read_task, rj);
+            if (r >= 0) t[z][r] = now_s() - t0;
+        }
+    for (int z = 0; z < widths; z++) {
+        const double gbs = (double)rj->bytes / median(t[z], reps) / 1e9;
+        best = gbs > best ? gbs : best;
+    }
+    kw_mem_free((void *)rj->buf, rj->bytes);
+    free(rj);
+    return best;
 }
 
 /* ---- GEMV over a decode step's weights ---- */
@@ -455,20 +480,26 @@ static void decode_ops(kw_pool *pool, FILE *out) {
 }
 
 int main(int argc, char **argv) {
-    int threads = 0;
+    int threads = 0, read_only = 0;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--quick"))
             g_quick = 1;
+        else if (!strcmp(argv[i], "--read-only"))
+            read_only = 1;
         else if (!strcmp(argv[i], "--threads") && i + 1 < argc)
             threads = atoi(argv[++i]);
         else {
-            fprintf(stderr, "usage: ops_bench [--threads N] [--quick]\n");
+            fprintf(stderr, "usage: ops_bench [--threads N] [--quick] [--read-only]\n");
             return 2;
         }
     }
     if (threads < 1) threads = (int)sysconf(_SC_NPROCESSORS_ONLN);
     kw_pool *pool = kw_pool_create(threads), *solo = kw_pool_create(1);
     FILE *out = stdout;
+    if (read_only) {
+        printf("{\"threads\": %d, \"read_gbs\": %.2f}\n", threads, read_bandwidth(pool, 7));
+        return 0;
+    }
     fprintf(out, "{\"threads\": %d, \"isa\": \"%s\", \"quick\": %s", threads, kw_isa_name(kw_cpu_isa()),
             g_quick ? "true" : "false");
 

@@ -10,7 +10,7 @@ Inductor.
 
 import torch
 
-from kwker.lower import lower_to_plan
+from kwker.lower import block_weight, lower_to_plan
 from kwker.rewrite import PackedWeight, pack_weights
 
 aten = torch.ops.aten
@@ -63,12 +63,13 @@ class DecodeStep:
     packed (a bf16 copy, or q/k/v stacked) and that changed in place since is
     packed again before the step runs."""
 
-    def __init__(self, plan, report, gm: torch.fx.GraphModule, example_inputs):
+    def __init__(self, plan, report, constants: dict[str, torch.Tensor], gm: torch.fx.GraphModule):
         self.plan, self.report = plan, report
         names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
         self.packed = [
-            (getattr(gm, p.attr), [names.index(s) for s in p.sources], list(p.versions))
+            (constants[p.attr], [names.index(s) for s in p.sources], list(p.versions))
             for p in gm.meta.get("kwker_packed", [])
+            if p.attr in constants
         ]
 
     def __call__(self, *args):
@@ -80,7 +81,10 @@ class DecodeStep:
 
 
 def _repack(packed: torch.Tensor, weights: list[torch.Tensor]) -> None:
+    """Packs again into the plan's own tensor (same address, same layout)."""
     fresh = pack_weights(weights)
+    if packed.dim() == 3:  # K-blocked
+        fresh = block_weight(fresh, packed.shape[2])
     if fresh.dtype != packed.dtype:
         raise RuntimeError(
             "kwker: a weight changed in place and is no longer exactly representable in bfloat16, "
@@ -90,8 +94,8 @@ def _repack(packed: torch.Tensor, weights: list[torch.Tensor]) -> None:
 
 
 def compile_decode_step(gm: torch.fx.GraphModule, example_inputs) -> DecodeStep:
-    plan, report = lower_to_plan(gm, example_inputs, static_arg_indices(gm, example_inputs))
-    return DecodeStep(plan, report, gm, example_inputs)
+    plan, report, constants = lower_to_plan(gm, example_inputs, static_arg_indices(gm, example_inputs))
+    return DecodeStep(plan, report, constants, gm)
 
 
 __all__ = ["DecodeStep", "PackedWeight", "classify_decode_step", "compile_decode_step", "static_arg_indices"]

@@ -47,6 +47,8 @@ class _Lowering:
         self.views: dict[tuple, int] = {}
         self.folded: dict[Node, torch.Tensor] = {}  # nodes evaluated at compile time
         self.report = LoweringReport()
+        self.block = _weights_to_block(gm)  # get_attr node -> B for weights linear reads K-blocked
+        self.constants_by_attr: dict[str, torch.Tensor] = {}
         out_node = next(n for n in gm.graph.nodes if n.op == "output")
         self.outputs = [a for a in _flat(out_node.args[0])]
         # storage -> the returned tensor, when it is its whole storage: the fresh
@@ -74,6 +76,8 @@ class _Lowering:
         self.buffers[key] = (buf, t.storage_offset())
 
     def declare_constant(self, node: Node, tensor: torch.Tensor):
+        """tensor may have another layout than node's fake value (a K-blocked weight);
+        only weight_view makes views of those."""
         tensor = tensor.detach()
         self.buffers[storage_key(val(node))] = (self.b.constant(tensor, node.name), tensor.storage_offset())
         self.folded[node] = tensor
@@ -108,6 +112,14 @@ class _Lowering:
     def arg_view(self, a) -> int | None:
         return None if a is None else self.view(val(a))
 
+    def weight_view(self, w: Node) -> int:
+        """A linear's weight: [N, K], or [K/B, N, B] when kwker stored it K-blocked."""
+        if w not in self.block:
+            return self.view(val(w))
+        t = self.folded[w]
+        buf, _ = self.buffers[storage_key(val(w))]
+        return self.b.view(buf, t.dtype, tuple(t.shape), tuple(t.stride()), 0)
+
     # ---- steps --------------------------------------------------------------------
 
     def op(self, node: Node, name: str, views, ip=(), fp=()):
@@ -118,7 +130,11 @@ class _Lowering:
         if node.op == "placeholder":
             self.declare_input(node, self.placeholder_index[node])
         elif node.op == "get_attr":
-            self.declare_constant(node, getattr(self.gm, node.target))
+            tensor = getattr(self.gm, node.target)
+            if node in self.block:
+                tensor = block_weight(tensor, self.block[node])
+            self.declare_constant(node, tensor)
+            self.constants_by_attr[node.target] = tensor
         elif node.op == "call_function":
             self.lower_call(node)
 
@@ -242,7 +258,7 @@ def _is_inplace_op(node: Node) -> bool:
 
 def _lower_linear(lw: _Lowering, node: Node):
     x, w, bias = node.args
-    lw.op(node, "linear", [lw.view(val(node)), lw.view(val(x)), lw.view(val(w)), lw.arg_view(bias)])
+    lw.op(node, "linear", [lw.view(val(node)), lw.view(val(x)), lw.weight_view(w), lw.arg_view(bias)])
 
 
 def _lower_linear_n(lw: _Lowering, node: Node):
@@ -251,7 +267,7 @@ def _lower_linear_n(lw: _Lowering, node: Node):
     if len(outs) > 4:
         return False
     outs += [None] * (4 - len(outs))
-    lw.op(node, "linear_multi", [*outs, lw.view(val(x)), lw.view(val(w)), lw.arg_view(bias)])
+    lw.op(node, "linear_multi", [*outs, lw.view(val(x)), lw.weight_view(w), lw.arg_view(bias)])
 
 
 def _norm_flags(gemma: bool) -> list[int]:
@@ -381,9 +397,29 @@ INPLACE_LOWERINGS = {
 }
 
 
+def block_weight(w: torch.Tensor, block: int) -> torch.Tensor:
+    """[N, K] as [K/B, N, B]: linear then streams B-wide slices of many rows at once."""
+    n, k = w.shape
+    return w.view(n, k // block, block).transpose(0, 1).contiguous()
+
+
+def _weights_to_block(gm: torch.fx.GraphModule) -> dict[Node, int]:
+    """kwker's own weights (get_attr) that linear reads faster K-blocked. Parameters
+    are read as stored."""
+    block = {}
+    for node in gm.graph.nodes:
+        if node.target in (ops.linear.default, ops.linear_n.default):
+            w = node.args[1]
+            b = _C.linear_block(val(w).shape[1])
+            if w.op == "get_attr" and b and val(w).dim() == 2:
+                block[w] = b
+    return block
+
+
 def lower_to_plan(gm: torch.fx.GraphModule, example_inputs, static_args: set[int]):
-    """A Plan that, called with Dynamo's flat inputs, does what gm does.
+    """A Plan that, called with Dynamo's flat inputs, does what gm does, and the
+    tensors the plan reads for gm's get_attr constants (by attribute name).
     static_args: indices of inputs whose address must stay the same (checked each call)."""
     lowering = _Lowering(gm, example_inputs, static_args)
     plan = lowering.run()
-    return plan, lowering.report
+    return plan, lowering.report, lowering.constants_by_attr

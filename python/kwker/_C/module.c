@@ -48,10 +48,19 @@ static PyObject *op_params(PyObject *self, PyObject *unused) {
     return dict;
 }
 
+static PyObject *linear_block(PyObject *self, PyObject *k) {
+    const long long K = PyLong_AsLongLong(k);
+    if (K == -1 && PyErr_Occurred()) return NULL;
+    return PyLong_FromLongLong(kw_linear_block(K));
+}
+
 static PyMethodDef module_methods[] = {
     {"cpu_isa", cpu_isa, METH_NOARGS, "The best ISA kwker's kernels use on this CPU."},
     {"op_names", op_names, METH_NOARGS, "The names of kwker's native ops."},
     {"op_params", op_params, METH_NOARGS, "The values of the ops' integer parameters, by name."},
+    {"linear_block", linear_block, METH_O,
+     "linear_block(K) -> B: linear reads a weight of inner size K fastest stored K-blocked as\n"
+     "[K/B, N, B] (w.view(N, K//B, B).transpose(0, 1).contiguous()); 0: as [N, K]."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -30,10 +30,15 @@ def is_bf16_valued(w: torch.Tensor) -> bool:
     return w.dtype == torch.float32 and torch.equal(w, w.to(torch.bfloat16).to(torch.float32))
 
 
-def pack_weights(weights: list[torch.Tensor]) -> torch.Tensor:
-    """The bytes kwker reads for these weights: bfloat16 where exact, stacked by rows."""
+def pack_weights_dtype(weights: list[torch.Tensor]) -> torch.dtype:
+    """bfloat16 when every weight is bf16 or exactly bf16-valued, else as stored."""
     to_bf16 = all(w.dtype == torch.bfloat16 or is_bf16_valued(w) for w in weights)
-    dtype = torch.bfloat16 if to_bf16 else weights[0].dtype
+    return torch.bfloat16 if to_bf16 else weights[0].dtype
+
+
+def pack_weights(weights: list[torch.Tensor]) -> torch.Tensor:
+    """The bytes kwker reads for these weights, stacked by rows."""
+    dtype = pack_weights_dtype(weights)
     return torch.cat([w.detach().to(dtype) for w in weights], dim=0).contiguous()
 
 
@@ -44,8 +49,19 @@ def rewrite_linears(gm: torch.fx.GraphModule, params: dict[str, torch.Tensor], f
     groups = _group_by_input(linears) if fuse else [[m] for m in linears]
     packed = gm.meta.setdefault("kwker_packed", [])
     for group in groups:
-        packed.append(_rewrite_group(gm, group, params))
+        if len(group) == 1 and pack_weights_dtype([params[group[0].weight.name]]) == val(group[0].weight).dtype:
+            _rewrite_single_as_stored(gm.graph, group[0])
+        else:
+            packed.append(_rewrite_group(gm, group, params))
     return len(linears)
+
+
+def _rewrite_single_as_stored(graph, m: "_Linear") -> None:
+    """A weight read as stored: the parameter itself, no copy to keep fresh."""
+    with graph.inserting_before(m.node):
+        new = graph.call_function(ops.linear.default, (m.x, m.weight, m.bias))
+    new.meta["val"] = val(m.node)
+    m.node.replace_all_uses_with(new)
 
 
 @dataclass

@@ -1,0 +1,64 @@
+"""The replayed decode step's own guarantees: packed weights stay in step with the
+model's, wide weights are read K-blocked, and a wrong call raises."""
+
+import pytest
+import torch
+
+import kwker
+from kwker import _C, summary
+from kwker.testing import make_config, random_model
+
+PROMPT = torch.tensor([[3, 17, 42, 9, 7, 12, 5, 30]])
+
+
+@pytest.fixture(autouse=True)
+def fresh_compile_state():
+    torch._dynamo.reset()
+    summary.clear()
+    yield
+    torch._dynamo.reset()
+
+
+def llama(**overrides):
+    config = dict(vocab_size=64, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    model = random_model(make_config("LlamaConfig", **{**config, **overrides}))
+    return model
+
+
+def greedy(model, compile_config=None):
+    return model.generate(PROMPT, max_new_tokens=16, do_sample=False, cache_implementation="static",
+                          compile_config=compile_config).tolist()
+
+
+def decode_steps(compiled_graphs):
+    return [g for g in compiled_graphs if g.kind == "decode-replay"]
+
+
+def test_a_weight_changed_in_place_is_packed_again_before_the_next_step():
+    model = llama()
+    config = kwker.compile_config()
+    assert greedy(model, config) == greedy(model)
+    with torch.no_grad():  # still exactly bf16-valued, so its bf16 copy can follow
+        model.model.layers[0].self_attn.q_proj.weight.mul_(-2.0)
+        model.lm_head.weight.mul_(0.5)
+    assert greedy(model, config) == greedy(model)
+    assert len(decode_steps(summary.graphs())) == 1, kwker.report()
+
+
+def test_a_weight_that_is_no_longer_bf16_exact_raises_instead_of_running_stale():
+    model = llama()
+    config = kwker.compile_config()
+    greedy(model, config)
+    with torch.no_grad():
+        model.model.layers[1].mlp.up_proj.weight.add_(1e-3)
+    with pytest.raises(Exception, match="no longer exactly representable in bfloat16"):
+        greedy(model, config)
+
+
+def test_wide_weights_are_read_k_blocked_with_eagers_tokens():
+    k = 4096  # down_proj's inner size: kwker stores that weight as [k/B, 64, B]
+    assert _C.linear_block(k) > 0
+    model = llama(intermediate_size=k)
+    assert greedy(model, kwker.compile_config()) == greedy(model)
+    assert len(decode_steps(summary.graphs())) == 1, kwker.report()
