@@ -12,6 +12,9 @@
  *   silu_mul y = F.silu(gate) * up: silu rounded to gate's dtype, then the product
  *            rounded to y's (the promoted dtype of gate and up).
  *   gelu     y = F.gelu(x, approximate=...), ip[0] KW_GELU_ERF or KW_GELU_TANH.
+ *   unary    y = f(x), f = ip[0] (kw_unary_op: cos, sin, exp, ...), y with x's
+ *            dtype. Scalar only (libm): it serves decode-sized tensors such as
+ *            the rotary tables, where a vector variant would buy nothing.
  *   convert  y = x.to(y.dtype) for any two dtypes. Float to int64/int32 truncates
  *            and saturates (NaN gives 0) where PyTorch leaves it undefined; to
  *            uint8 it goes through int64 and wraps, as PyTorch does (-1.0 -> 255). */
@@ -141,6 +144,52 @@ static int gelu_from_call(const kw_call *c, kw__ew *e, char *msg, size_t len) {
     return ew_init(e, c, 1, "gelu", msg, len);
 }
 
+/* ---- unary ---- */
+
+static int unary_from_call(const kw_call *c, kw__ew *e, char *msg, size_t len) {
+    int err;
+    memset(e, 0, sizeof *e);
+    if ((err = need(&c->t[0], "unary", "y", 1, msg, len)) || (err = need(&c->t[1], "unary", "x", 1, msg, len)))
+        return err;
+    if (c->t[0].dtype != c->t[1].dtype)
+        return kw__fail(msg, len, KW_EDTYPE, "unary: y must have x's dtype %s (got %s)", kw_dtype_name(c->t[1].dtype),
+                        kw__shape(&c->t[0]).s);
+    if (c->ip[0] < 0 || c->ip[0] >= KW_UNARY_COUNT)
+        return kw__fail(msg, len, KW_EINVAL, "unary: ip[0] must be a kw_unary_op (got %lld)", (long long)c->ip[0]);
+    e->mode = (int)c->ip[0];
+    return ew_init(e, c, 1, "unary", msg, len);
+}
+
+static float unary_f(int op, float x) {
+    switch (op) {
+    case KW_UNARY_COS: return cosf(x);
+    case KW_UNARY_SIN: return sinf(x);
+    case KW_UNARY_EXP: return expf(x);
+    case KW_UNARY_TANH: return tanhf(x);
+    case KW_UNARY_SQRT: return sqrtf(x);
+    case KW_UNARY_RSQRT: return 1.0f / sqrtf(x);
+    case KW_UNARY_SILU: return kw__silu(x);
+    default: return fabsf(x);
+    }
+}
+
+static int unary_check(const kw_call *c, char *msg, size_t len) {
+    kw__ew e;
+    return unary_from_call(c, &e, msg, len);
+}
+
+static void unary_scalar(const kw_call *c, int ith, int nth) {
+    kw__ew e;
+    if (unary_from_call(c, &e, NULL, 0)) return; /* capture checked it */
+    const int last = e.nd.ndim - 1;
+    kw__nd_it it = kw__nd_share(&e.nd, ith, nth);
+    int64_t off[2], n;
+    while (kw__nd_next(&e.nd, &it, off, &n))
+        for (int64_t i = 0; i < n; i++)
+            kw__stf(e.y, off[0] + i * e.nd.stride[0][last], e.yt,
+                    unary_f(e.mode, kw__ldf(e.a, off[1] + i * e.nd.stride[1][last], e.at)));
+}
+
 /* ATen's scalar formulas (activation.cpp): kAlpha = M_SQRT1_2,
  * kBeta = M_SQRT2 * M_2_SQRTPI * 0.5, kKappa = 0.044715. */
 static float gelu_f(float x, int mode) {
@@ -255,6 +304,16 @@ const kw_op_info kw_op_info_binary = {
     .n_fp = 1,
     .check = binary_check,
     .kernel = KW__EW_KERNELS(binary),
+};
+
+/* Slots y, x; ip[0] kw_unary_op. */
+const kw_op_info kw_op_info_unary = {
+    .name = "unary",
+    .n_tensors = 2,
+    .arg = {{"y", KW_WRITE, 0}, {"x", KW_READ, 0}},
+    .n_ip = 1,
+    .check = unary_check,
+    .kernel = {[KW_ISA_SCALAR] = unary_scalar},
 };
 
 /* Slots y, gate, up. */

@@ -51,6 +51,21 @@ enum {
     X(DIV, div)          \
     X(MAX, maximum)      \
     X(MIN, minimum)
+#define KW_UNARY_OPS(X) \
+    X(COS, cos)         \
+    X(SIN, sin)         \
+    X(EXP, exp)         \
+    X(TANH, tanh)       \
+    X(SQRT, sqrt)       \
+    X(RSQRT, rsqrt)     \
+    X(SILU, silu)       \
+    X(ABS, abs)
+typedef enum kw_unary_op { /* unary ip[0] */
+#define KW__UNARY_ENUM(id, name) KW_UNARY_##id,
+    KW_UNARY_OPS(KW__UNARY_ENUM)
+#undef KW__UNARY_ENUM
+    KW_UNARY_COUNT
+} kw_unary_op;
 typedef enum kw_binary_op { /* binary ip[0] */
 #define KW__BINARY_ENUM(id, name) KW_BINARY_##id,
     KW_BINARY_OPS(KW__BINARY_ENUM)

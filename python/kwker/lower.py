@@ -328,6 +328,16 @@ def _lower_neg(lw: _Lowering, node: Node):
     lw.op(node, "binary", [lw.view(val(node)), lw.view(val(node.args[0])), None], [P["BINARY_MUL"]], [-1.0])
 
 
+def _unary(name):
+    def lower(lw: _Lowering, node: Node):
+        x = node.args[0]
+        if val(x).dtype != val(node).dtype:
+            return False
+        lw.op(node, "unary", [lw.view(val(node)), lw.view(val(x))], [P[name]])
+
+    return lower
+
+
 def _lower_gelu(lw: _Lowering, node: Node):
     approximate = node.kwargs.get("approximate", node.args[1] if len(node.args) > 1 else "none")
     mode = {"none": P["GELU_ERF"], "tanh": P["GELU_TANH"]}[approximate]
@@ -386,6 +396,14 @@ LOWERINGS = {
     aten.div.Tensor: _binary("BINARY_DIV"),
     aten.neg.default: _lower_neg,
     aten.gelu.default: _lower_gelu,
+    aten.cos.default: _unary("UNARY_COS"),
+    aten.sin.default: _unary("UNARY_SIN"),
+    aten.exp.default: _unary("UNARY_EXP"),
+    aten.tanh.default: _unary("UNARY_TANH"),
+    aten.sqrt.default: _unary("UNARY_SQRT"),
+    aten.rsqrt.default: _unary("UNARY_RSQRT"),
+    aten.silu.default: _unary("UNARY_SILU"),
+    aten.abs.default: _unary("UNARY_ABS"),
     aten._to_copy.default: _lower_copy,
     aten.clone.default: _lower_copy,
     aten.cat.default: _lower_cat,

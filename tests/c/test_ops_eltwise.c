@@ -310,3 +310,62 @@ Test(rotary, check_names_the_bad_slot) {
     tt_expect_reject(KW_OP_ROTARY, &k.c, KW_ESHAPE, "rotary: cos must be");
     tt_free(&k);
 }
+
+/* unary has one (scalar) kernel: check it against double-precision libm, on
+ * strided views of random shapes. Tolerance: libm's float functions are within
+ * a few ulp (f32: rtol 4e-7 + atol 1e-7); bf16 adds one rounding (rtol 2^-8). */
+static double unary_ref(int op, double v) {
+    switch (op) {
+    case KW_UNARY_COS: return cos(v);
+    case KW_UNARY_SIN: return sin(v);
+    case KW_UNARY_EXP: return exp(v);
+    case KW_UNARY_TANH: return tanh(v);
+    case KW_UNARY_SQRT: return sqrt(v);
+    case KW_UNARY_RSQRT: return 1 / sqrt(v);
+    case KW_UNARY_SILU: return v / (1 + exp(-v));
+    default: return fabs(v);
+    }
+}
+
+Test(unary, matches_double_precision_on_strided_views) {
+    tt_rng r = {31};
+    for (int trial = 0; trial < 80; trial++) {
+        const kw_dtype dt = fdt[trial % 2];
+        const int op = trial % KW_UNARY_COUNT;
+        const double lo = op == KW_UNARY_SQRT || op == KW_UNARY_RSQRT ? 0.1 : -4;
+        int64_t shape[4], ys[4], xs[4];
+        const int nd = rand_shape(&r, shape);
+        rand_strides(&r, nd, shape, ys);
+        rand_strides(&r, nd, shape, xs);
+        tt_case k = {0};
+        tt_tensor(&k, 0, dt, nd, shape, ys, 0, 0, &r);
+        tt_tensor(&k, 1, dt, nd, shape, xs, lo, 4, &r);
+        k.c.ip[0] = op;
+        char msg[256];
+        cr_assert_eq(kw_op_get(KW_OP_UNARY)->check(&k.c, msg, sizeof msg), 0, "%s", msg);
+        tt_run(KW_OP_UNARY, kw_op_kernel(KW_OP_UNARY, KW_ISA_SCALAR), &k.c, 1 + trial % 2);
+        int64_t idx[4] = {0}, total = 1;
+        for (int d = 0; d < nd; d++) total *= shape[d];
+        for (int64_t flat = 0; flat < total; flat++) {
+            for (int64_t d = nd - 1, rest = flat; d >= 0; d--) idx[d] = rest % shape[d], rest /= shape[d];
+            const double want = unary_ref(op, tt_get(&k.c.t[1], idx)), got = tt_get(&k.c.t[0], idx);
+            const double tol = dt == KW_BF16 ? fabs(want) * 0x1p-8 : fabs(want) * 4e-7 + 1e-7;
+            cr_expect_leq(fabs(got - want), tol, "unary op %d at %lld: %g vs %g", op, (long long)flat, got, want);
+        }
+        tt_free(&k);
+    }
+}
+
+Test(unary, rejects_a_bad_mode_and_mixed_dtypes) {
+    tt_rng r = {32};
+    tt_case k = {0};
+    tt_tensor(&k, 0, KW_F32, 1, TT_DIMS(8), NULL, 0, 0, &r);
+    tt_tensor(&k, 1, KW_F32, 1, TT_DIMS(8), NULL, -1, 1, &r);
+    k.c.ip[0] = KW_UNARY_COUNT;
+    tt_expect_reject(KW_OP_UNARY, &k.c, KW_EINVAL, "kw_unary_op");
+    k.c.ip[0] = KW_UNARY_COS;
+    k.c.t[0].dtype = KW_BF16;
+    tt_expect_reject(KW_OP_UNARY, &k.c, KW_EDTYPE, "x's dtype");
+    k.c.t[0].dtype = KW_F32;
+    tt_free(&k);
+}

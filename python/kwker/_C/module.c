@@ -38,6 +38,9 @@ static PyObject *op_params(PyObject *self, PyObject *unused) {
 #define KW__BINARY_ENTRY(id, name) {"BINARY_" #id, KW_BINARY_##id},
         KW_BINARY_OPS(KW__BINARY_ENTRY)
 #undef KW__BINARY_ENTRY
+#define KW__UNARY_ENTRY(id, name) {"UNARY_" #id, KW_UNARY_##id},
+        KW_UNARY_OPS(KW__UNARY_ENTRY)
+#undef KW__UNARY_ENTRY
     };
     PyObject *dict = PyDict_New();
     for (size_t i = 0; dict && i < sizeof params / sizeof *params; i++) {
