@@ -78,13 +78,9 @@ for _name, _fn in _EAGER.items():
     _lib.impl(_name, _fn, "CompositeExplicitAutograd")
 
 
-def _meta_like(fn):
-    """Fake (meta) implementations run the eager code on fake tensors: shapes and
-    dtypes follow from the same definition, so they cannot drift apart."""
-    return fn
-
-
+# The fake (meta) implementations are the eager code run on fake tensors: shapes
+# and dtypes follow from the one definition, so the two cannot drift apart.
 for _name, _fn in _EAGER.items():
-    torch.library.register_fake(f"kwker::{_name}", _meta_like(_fn), lib=_lib)
+    torch.library.register_fake(f"kwker::{_name}", _fn, lib=_lib)
 
 ops = torch.ops.kwker

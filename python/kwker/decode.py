@@ -11,7 +11,7 @@ Inductor.
 import torch
 
 from kwker.lower import block_weight, lower_to_plan
-from kwker.rewrite import PackedWeight, pack_weights
+from kwker.rewrite import pack_weights
 
 aten = torch.ops.aten
 
@@ -98,4 +98,4 @@ def compile_decode_step(gm: torch.fx.GraphModule, example_inputs) -> DecodeStep:
     return DecodeStep(plan, report, constants, gm)
 
 
-__all__ = ["DecodeStep", "PackedWeight", "classify_decode_step", "compile_decode_step", "static_arg_indices"]
+__all__ = ["DecodeStep", "classify_decode_step", "compile_decode_step", "static_arg_indices"]
