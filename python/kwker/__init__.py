@@ -31,7 +31,7 @@ def __getattr__(name):
     # Lazy, because TORCH_LOGS=kwker makes torch import this package while torch
     # itself is still being imported.
     if name == "backend":
-        from kwker.backend import kwker_backend
+        from kwker.dynamo_backend import kwker_backend
 
         return kwker_backend
     raise AttributeError(f"module 'kwker' has no attribute {name!r}")

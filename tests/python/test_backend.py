@@ -43,6 +43,9 @@ def test_torch_finds_kwker_through_its_entry_point_without_an_import():
 
 
 def test_the_backend_function_itself_works_as_a_backend():
+    import kwker.dynamo_backend  # once torch has loaded the entry point, kwker.backend is still the function
+
+    assert kwker.backend is kwker.dynamo_backend.kwker_backend
     m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
     x = torch.randn(3, 8)
     torch.testing.assert_close(torch.compile(m, backend=kwker.backend)(x), m(x))
