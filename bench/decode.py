@@ -41,7 +41,7 @@ BACKENDS = {
 
 def generate(model, ids, new_tokens, compile_kwargs, max_cache_len):
     kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                  cache_implementation="static", cache_config={"max_cache_len": max_cache_len})
+                  cache_implementation="static", max_cache_len=max_cache_len)
     if compile_kwargs is not None:
         from transformers import CompileConfig
 
