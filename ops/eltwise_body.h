@@ -88,19 +88,26 @@ static inline kw_v gelu_v(kw_v x, int mode) {
     return kw_v_div(x, kw_v_add(one, kw_v_exp(kw_v_mul(u, kw_v_set1(-2.0f)))));
 }
 
-void KW__ISA_NAME(kw__gelu_share)(const kw__ew *e, int ith, int nth) {
-    if (!vector_ok(e)) {
-        kw__gelu_share_scalar(e, ith, nth);
-        return;
-    }
+/* One input walked to y: gelu passes each vector through gelu_v, convert stores it
+ * as loaded (the load and store do the dtype change). */
+static inline void map1_share(const kw__ew *e, int ith, int nth, int apply_gelu) {
     const int64_t sa = e->nd.stride[1][e->nd.ndim - 1];
     kw__nd_it it = kw__nd_share(&e->nd, ith, nth);
     int64_t off[2], n;
     while (kw__nd_next(&e->nd, &it, off, &n))
         for (int64_t i = 0; i < n; i += KW_VW) {
             const int64_t m = KW__MIN(KW_VW, n - i);
-            stv(e->y, off[0] + i, m, e->yt, gelu_v(ldv(e->a, off[1], i, m, sa, e->at), e->mode));
+            const kw_v x = ldv(e->a, off[1], i, m, sa, e->at);
+            stv(e->y, off[0] + i, m, e->yt, apply_gelu ? gelu_v(x, e->mode) : x);
         }
+}
+
+void KW__ISA_NAME(kw__gelu_share)(const kw__ew *e, int ith, int nth) {
+    if (!vector_ok(e)) {
+        kw__gelu_share_scalar(e, ith, nth);
+        return;
+    }
+    map1_share(e, ith, nth, 1);
 }
 
 void KW__ISA_NAME(kw__convert_share)(const kw__ew *e, int ith, int nth) {
@@ -108,12 +115,5 @@ void KW__ISA_NAME(kw__convert_share)(const kw__ew *e, int ith, int nth) {
         kw__convert_share_scalar(e, ith, nth);
         return;
     }
-    const int64_t sa = e->nd.stride[1][e->nd.ndim - 1];
-    kw__nd_it it = kw__nd_share(&e->nd, ith, nth);
-    int64_t off[2], n;
-    while (kw__nd_next(&e->nd, &it, off, &n))
-        for (int64_t i = 0; i < n; i += KW_VW) {
-            const int64_t m = KW__MIN(KW_VW, n - i);
-            stv(e->y, off[0] + i, m, e->yt, ldv(e->a, off[1], i, m, sa, e->at));
-        }
+    map1_share(e, ith, nth, 0);
 }
