@@ -20,6 +20,7 @@ from torch.fx import Node
 
 from kwker import _C
 from kwker.custom_ops import ops
+from kwker.rewrite.match import val
 
 aten = torch.ops.aten
 P = _C.op_params()
@@ -214,10 +215,6 @@ def _substitute(tree, reads):
     if isinstance(tree, dict):
         return {k: _substitute(v, reads) for k, v in tree.items()}
     return tree
-
-
-def val(node: Node) -> torch.Tensor:
-    return node.meta["val"]
 
 
 def _flat(tree):
