@@ -32,8 +32,8 @@ typedef struct kw__lin {
 } kw__lin;
 
 /* Weight rows [n0, n1) of every output row. `work` is the thread's scratch of at
- * least kw__lin_work_size bytes: bf16 activations widened once per call, and the
- * partial sums of K-blocked weights. */
+ * least kw__lin_work_size bytes: the activations rearranged for bf16 weights
+ * (linear_body.h), then the partial sums of K-blocked weights. */
 typedef void (*kw__lin_rows_fn)(const kw__lin *g, int64_t n0, int64_t n1, void *work);
 
 void kw__linear_rows_scalar(const kw__lin *g, int64_t n0, int64_t n1, void *work);
@@ -41,9 +41,18 @@ void kw__linear_rows_avx2(const kw__lin *g, int64_t n0, int64_t n1, void *work);
 void kw__linear_rows_avx512(const kw__lin *g, int64_t n0, int64_t n1, void *work);
 void kw__linear_rows_avx512bf16(const kw__lin *g, int64_t n0, int64_t n1, void *work);
 
+/* A block of K in the rearranged activations, padded to whole groups of the
+ * widest vector's 32 bf16. */
+static inline int64_t kw__lin_block_padded(int64_t kblk) { return (kblk + 31) / 32 * 32; }
+
+static inline size_t kw__lin_acts_bytes(const kw__lin *g) {
+    const int64_t floats = g->wt == KW_BF16 ? g->M * (g->K / g->kblk) * kw__lin_block_padded(g->kblk) : 0;
+    return ((size_t)floats * sizeof(float) + 63) / 64 * 64;
+}
+
 static inline size_t kw__lin_work_size(const kw__lin *g) {
-    const int64_t widened = g->xt == KW_BF16 ? g->M * g->K : 0, partial = g->kblk < g->K ? g->M * g->n_total : 0;
-    return (size_t)(widened + partial) * sizeof(float) + 128;
+    const int64_t partial = g->kblk < g->K ? g->M * g->n_total : 0;
+    return kw__lin_acts_bytes(g) + (size_t)partial * sizeof(float) + 128;
 }
 
 static inline const char *kw__lin_wrow(const kw__lin *g, int64_t kb, int64_t n) {

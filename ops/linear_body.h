@@ -2,41 +2,52 @@
  * per ISA by linear_avx2.c, linear_avx512.c and linear_avx512bf16.c (the last adds
  * the vdpbf16ps path for bf16 activations with bf16 weights).
  *
- * A tile is one weight row × MB (<= 4) activation rows over the whole of K: each
- * weight vector is loaded once (bf16 widened exactly by vpmovzxwd and a shift)
- * and feeds MB FMAs. Rows are walked outer and activation blocks inner, so for
- * M > 4 a row is re-read from L1/L2, not from memory.
+ * A tile is one weight row × MB (<= 4) activation rows over one block of K: each
+ * weight vector is loaded once and feeds MB FMAs. A run is the tile inlined in a
+ * loop over up to KW__CHUNK consecutive rows; for M > 4 the chunk's rows are
+ * re-read from L1/L2 per block of four activation rows, never from memory.
  *
- * What streams weights from DRAM fastest was measured here (Zen 4, 1 GiB of
- * bf16 rows of 2048, one thread, best of 12 interleaved runs, against a plain
- * read loop): one row at a time with two accumulators (U = 2) reads at 0.95 of
- * the read loop; four accumulators 0.75, eight 0.87; two or four rows sharing
- * the activation loads 0.5; software prefetch at 1-4 KiB ahead 0.6; widening by
- * shift-and-mask of 64-byte loads against rearranged activations (fewer
- * instructions, faster in L2) 0.6-0.8. So the tiles below use few accumulators
- * and let the hardware prefetchers follow one sequential stream. */
+ * Streaming weights from DRAM is limited per core by how many cache lines are in
+ * flight, and so by the instructions (and the busiest port) per line. Measured
+ * here (Zen 4, 2 threads, 1 GiB of rows, against a plain read loop, when the
+ * machine reads at 60 GB/s): bf16 widened by vpmovzxwd + shift (a shuffle per 16
+ * weights) read at 0.66 of the read loop for rows of 960 and 0.81 for 2560; the
+ * same weights split without shuffles (below) 0.91 for both. One row at a time
+ * with two accumulators beats more accumulators (four: 0.75), two rows at once
+ * (0.5, two streams) and software prefetch (0.6), so the tiles let the hardware
+ * prefetchers follow one sequential stream.
+ *
+ * bf16 weights are read 2·KW_VW at a time as KW_VW 32-bit pairs: shifting each
+ * pair up by 16 gives the even weights as f32, masking off its low half the odd
+ * ones. The activations are rearranged to match once per call (per thread, into
+ * its scratch): in each group of 2·KW_VW, the KW_VW even elements then the KW_VW
+ * odd ones, zero-padded to whole groups in every block of K. */
 #include "linear.h"
 #include "simd.h"
 
-typedef void (*kw__tile_fn)(const float *x, int64_t xs, int64_t K, const char *w, float *out);
+/* A run: the dot products of nrows consecutive weight rows (wb bytes apart) with
+ * MB activation rows (xs elements apart), into out[r·MB + m]. */
+typedef void (*kw__run_fn)(const void *x, int64_t xs, int64_t K, const char *w, int64_t wb, int64_t nrows,
+                           float *out);
 
-/* MB and U are constants at every call site (the wrappers below), so the
- * accumulators live in registers and the loops unroll: MB·U >= 3 chains of FMAs,
- * at most two weight loads per iteration. */
-static inline __attribute__((always_inline)) void tile_f32x(const float *x, int64_t xs, int64_t K, const char *w,
-                                                            kw_dtype wt, float *out, const int MB, const int U) {
+/* MB (and U) are constants at every call site (the run wrappers below), so the
+ * accumulators live in registers and the loops unroll. */
+
+/* f32 weights: U chains per activation row, at most two weight loads per step. */
+static inline __attribute__((always_inline)) void tile_f32(const float *x, int64_t xs, int64_t K, const float *w,
+                                                           float *out, const int MB, const int U) {
     kw_v acc[4][4];
     for (int u = 0; u < U; u++)
         for (int m = 0; m < MB; m++) acc[u][m] = kw_v_zero();
     int64_t k = 0;
     for (; k + U * KW_VW <= K; k += U * KW_VW)
         for (int u = 0; u < U; u++) {
-            const kw_v wv = kw_v_ld(w, k + u * KW_VW, wt);
+            const kw_v wv = kw_v_loadu(w + k + u * KW_VW);
             for (int m = 0; m < MB; m++) acc[u][m] = kw_v_fmadd(wv, kw_v_loadu(x + m * xs + k + u * KW_VW), acc[u][m]);
         }
     for (; k < K; k += KW_VW) {
         const int64_t n = KW__MIN(KW_VW, K - k);
-        const kw_v wv = kw_v_ldn(w, k, n, wt);
+        const kw_v wv = kw_v_loadn(w + k, n);
         for (int m = 0; m < MB; m++) acc[0][m] = kw_v_fmadd(wv, kw_v_loadn(x + m * xs + k, n), acc[0][m]);
     }
     for (int m = 0; m < MB; m++) {
@@ -46,23 +57,44 @@ static inline __attribute__((always_inline)) void tile_f32x(const float *x, int6
     }
 }
 
-#define KW__TILE(wname, wt, MB, U)                                                                        \
-    static void tile_##wname##_##MB(const float *x, int64_t xs, int64_t K, const char *w, float *out) { \
-        tile_f32x(x, xs, K, w, wt, out, MB, U);                                                           \
+/* One group of 2·KW_VW weights against MB rearranged activation rows. */
+static inline __attribute__((always_inline)) void pairs_step(kw_vpair wv, const float *x, int64_t xs, kw_v *even,
+                                                             kw_v *odd, const int MB) {
+    const kw_v we = kw_vpair_even(wv), wo = kw_vpair_odd(wv);
+    for (int m = 0; m < MB; m++) {
+        even[m] = kw_v_fmadd(we, kw_v_loadu(x + m * xs), even[m]);
+        odd[m] = kw_v_fmadd(wo, kw_v_loadu(x + m * xs + KW_VW), odd[m]);
     }
-#define KW__TILES(wname, wt)                                                                                 \
-    KW__TILE(wname, wt, 1, 2) KW__TILE(wname, wt, 2, 2) KW__TILE(wname, wt, 3, 1) KW__TILE(wname, wt, 4, 1) \
-    static const kw__tile_fn tiles_##wname[4] = {tile_##wname##_1, tile_##wname##_2, tile_##wname##_3,      \
-                                                 tile_##wname##_4};
-KW__TILES(f32, KW_F32)
-KW__TILES(bf16, KW_BF16)
-
-/* Stores MB dot products with weight row n, plus bias, rounding to y's dtype once. */
-static void store_tile(const kw__lin *g, const float *out, int MB, int64_t n, int64_t m0, char *y, int64_t ys,
-                       int64_t col) {
-    const float bias = kw__lin_bias(g, n);
-    for (int m = 0; m < MB; m++) kw__stf(y, (m0 + m) * ys + col, g->yt, out[m] + bias);
 }
+
+/* bf16 weights split into pairs against rearranged f32 activations (padded to
+ * whole groups, so only the weights need a partial load). The main loop's loads
+ * stay unconditional so that the compiler folds them into the shift and the
+ * mask (two loads of one line): a single load feeding both read at 0.55 of the
+ * read loop against 0.91. */
+static inline __attribute__((always_inline)) void tile_pairs(const float *x, int64_t xs, int64_t K, const uint16_t *w,
+                                                             float *out, const int MB) {
+    kw_v even[4], odd[4];
+    for (int m = 0; m < MB; m++) even[m] = odd[m] = kw_v_zero();
+    int64_t k = 0;
+    for (; k + 2 * KW_VW <= K; k += 2 * KW_VW) pairs_step(kw_vpair_load(w + k), x + k, xs, even, odd, MB);
+    if (k < K) pairs_step(kw_vpair_loadn(w + k, K - k), x + k, xs, even, odd, MB);
+    for (int m = 0; m < MB; m++) out[m] = kw_v_reduce_add(kw_v_add(even[m], odd[m]));
+}
+
+#define KW__RUN(name, MB, tile_call)                                                                             \
+    static void run_##name##_##MB(const void *x, int64_t xs, int64_t K, const char *w, int64_t wb, int64_t nrows, \
+                                  float *out) {                                                                  \
+        for (int64_t r = 0; r < nrows; r++) tile_call;                                                          \
+    }
+#define KW__RUNS(name, call1, call2, call3, call4)                                                     \
+    KW__RUN(name, 1, call1) KW__RUN(name, 2, call2) KW__RUN(name, 3, call3) KW__RUN(name, 4, call4) \
+    static const kw__run_fn runs_##name[4] = {run_##name##_1, run_##name##_2, run_##name##_3, run_##name##_4};
+
+#define KW__F32(MB, U) tile_f32((const float *)x, xs, K, (const float *)(w + r * wb), out + r * MB, MB, U)
+#define KW__PAIRS(MB) tile_pairs((const float *)x, xs, K, (const uint16_t *)(w + r * wb), out + r * MB, MB)
+KW__RUNS(f32, KW__F32(1, 2), KW__F32(2, 2), KW__F32(3, 1), KW__F32(4, 1))
+KW__RUNS(pairs, KW__PAIRS(1), KW__PAIRS(2), KW__PAIRS(3), KW__PAIRS(4))
 
 #if defined(__AVX512BF16__)
 /* bf16 activations with bf16 weights: vdpbf16ps multiplies bf16 pairs exactly and
@@ -92,85 +124,107 @@ static inline __attribute__((always_inline)) void tile_dp(const uint16_t *x, int
     }
 }
 
-typedef void (*kw__tile_dp_fn)(const uint16_t *x, int64_t xs, int64_t K, const uint16_t *w, float *out);
-#define KW__TILE_DP(MB, U)                                                                              \
-    static void tile_dp_##MB(const uint16_t *x, int64_t xs, int64_t K, const uint16_t *w, float *out) { \
-        tile_dp(x, xs, K, w, out, MB, U);                                                               \
-    }
-KW__TILE_DP(1, 2) KW__TILE_DP(2, 2) KW__TILE_DP(3, 1) KW__TILE_DP(4, 1)
-static const kw__tile_dp_fn tiles_dp[4] = {tile_dp_1, tile_dp_2, tile_dp_3, tile_dp_4};
-
+#define KW__DP(MB, U) tile_dp((const uint16_t *)x, xs, K, (const uint16_t *)(w + r * wb), out + r * MB, MB, U)
+KW__RUNS(dp, KW__DP(1, 2), KW__DP(2, 2), KW__DP(3, 1), KW__DP(4, 1))
 #endif
 
-/* bf16 activations widened once into the thread's scratch (exact). */
-static const float *widen_x(const kw__lin *g, float *dst) {
-    for (int64_t m = 0; m < g->M; m++) {
-        const uint16_t *src = (const uint16_t *)g->x + m * g->xs;
-        float *d = dst + m * g->K;
-        int64_t k = 0;
-        for (; k + KW_VW <= g->K; k += KW_VW) kw_v_storeu(d + k, kw_v_load_bf16(src + k));
-        if (k < g->K) kw_v_storen(d + k, kw_v_loadn_bf16(src + k, g->K - k), g->K - k);
+/* Activation row block [k0, k0 + n) (f32 or bf16) rearranged into dst, padded to
+ * whole groups of 2·KW_VW with zeros (which meet zero weights). */
+static void rearrange_block(const char *src, kw_dtype st, int64_t n, float *dst) {
+    for (int64_t g = 0; g < n; g += 2 * KW_VW) {
+        kw_v half[2];
+        for (int h = 0; h < 2; h++) {
+            const int64_t k = g + h * KW_VW, left = n - k;
+            if (left <= 0)
+                half[h] = kw_v_zero();
+            else if (st == KW_BF16)
+                half[h] = left >= KW_VW ? kw_v_load_bf16((const uint16_t *)src + k)
+                                        : kw_v_loadn_bf16((const uint16_t *)src + k, left);
+            else
+                half[h] = left >= KW_VW ? kw_v_loadu((const float *)src + k) : kw_v_loadn((const float *)src + k, left);
+        }
+        kw_v even, odd;
+        kw_v_deinterleave(half[0], half[1], &even, &odd);
+        kw_v_storeu(dst + g, even);
+        kw_v_storeu(dst + g + KW_VW, odd);
     }
-    return dst;
 }
 
-/* The MB dot products of weight row n's block kb with activation rows m0.. (the
- * f32 activations, or the bf16 ones for the vdpbf16ps path). */
-static void block_dots(const kw__lin *g, const void *x, int64_t xs, int dp, int64_t kb, int64_t n, int64_t m0, int MB,
-                       float *out) {
-    const int64_t k0 = kb * g->kblk;
-    const char *w = kw__lin_wrow(g, kb, n);
+#define KW__CHUNK 64 /* weight rows per run: their sums fit in a small stack buffer */
+
+/* How a call's activations are read: the run family and where block kb of
+ * activation row m starts. */
+typedef struct kw__acts {
+    const kw__run_fn *runs;
+    const char *x;
+    int64_t xs;   /* row stride, elements */
+    int64_t kbs;  /* block stride, elements */
+    size_t esize; /* element bytes */
+} kw__acts;
+
+static kw__acts prepare_acts(const kw__lin *g, void *scratch) {
 #if defined(__AVX512BF16__)
-    if (dp) {
-        tiles_dp[MB - 1]((const uint16_t *)x + m0 * xs + k0, xs, g->kblk, (const uint16_t *)w, out);
-        return;
-    }
+    if (g->xt == KW_BF16 && g->wt == KW_BF16) return (kw__acts){runs_dp, g->x, g->xs, g->kblk, 2};
 #endif
-    (void)dp;
-    const kw__tile_fn *tiles = g->wt == KW_BF16 ? tiles_bf16 : tiles_f32;
-    tiles[MB - 1]((const float *)x + m0 * xs + k0, xs, g->kblk, w, out);
+    if (g->wt == KW_F32) return (kw__acts){runs_f32, g->x, g->xs, g->kblk, 4};
+    const int64_t nb = g->K / g->kblk, bp = kw__lin_block_padded(g->kblk), xsz = (int64_t)kw_dtype_size(g->xt);
+    float *dst = scratch;
+    for (int64_t m = 0; m < g->M; m++)
+        for (int64_t kb = 0; kb < nb; kb++)
+            rearrange_block(g->x + (size_t)(m * g->xs + kb * g->kblk) * (size_t)xsz, g->xt, g->kblk,
+                            dst + m * nb * bp + kb * bp);
+    return (kw__acts){runs_pairs, (const char *)dst, nb * bp, bp, 4};
+}
+
+/* The dot products of weight rows [n, n + nr) (block kb) with activation rows
+ * m0 .. m0 + MB - 1, into out[r·MB + m]. */
+static void block_run(const kw__lin *g, const kw__acts *a, int64_t kb, int64_t n, int64_t nr, int64_t m0, int MB,
+                      float *out) {
+    const char *x = a->x + (size_t)(m0 * a->xs + kb * a->kbs) * a->esize;
+    a->runs[MB - 1](x, a->xs, g->kblk, kw__lin_wrow(g, kb, n), g->ws * (int64_t)kw_dtype_size(g->wt), nr, out);
+}
+
+/* Stores MB dot products with weight row n, plus bias, rounding to y's dtype once. */
+static void store_tile(const kw__lin *g, const float *out, int MB, int64_t n, int64_t m0, char *y, int64_t ys,
+                       int64_t col) {
+    const float bias = kw__lin_bias(g, n);
+    for (int m = 0; m < MB; m++) kw__stf(y, (m0 + m) * ys + col, g->yt, out[m] + bias);
 }
 
 void KW__ISA_NAME(kw__linear_rows)(const kw__lin *g, int64_t n0, int64_t n1, void *work) {
-    const void *x = g->x;
-    int64_t xs = g->xs;
-#if defined(__AVX512BF16__)
-    const int dp = g->xt == KW_BF16 && g->wt == KW_BF16;
-#else
-    const int dp = 0;
-#endif
-    char *scratch = (char *)work;
-    if (g->xt == KW_BF16 && !dp) {
-        x = widen_x(g, (float *)scratch);
-        xs = g->K;
-        scratch += ((size_t)(g->M * g->K) * sizeof(float) + 63) / 64 * 64;
-    }
-    float out[4];
+    const kw__acts a = prepare_acts(g, work);
+    float out[KW__CHUNK * 4];
     if (g->kblk == g->K) { /* one block: each row's sums go straight to y */
         for (int j = 0; j < g->n_out; j++) {
             int64_t s0, s1;
             char *y;
             if (!kw__lin_segment(g, j, n0, n1, &s0, &s1, &y)) continue;
-            for (int64_t n = s0; n < s1; n++)
+            for (int64_t n = s0; n < s1; n += KW__CHUNK) {
+                const int64_t nr = KW__MIN(KW__CHUNK, s1 - n);
                 for (int64_t m0 = 0; m0 < g->M; m0 += 4) {
                     const int MB = (int)KW__MIN(4, g->M - m0);
-                    block_dots(g, x, xs, dp, 0, n, m0, MB, out);
-                    store_tile(g, out, MB, n, m0, y, g->out[j].ys, n - s0);
+                    block_run(g, &a, 0, n, nr, m0, MB, out);
+                    for (int64_t r = 0; r < nr; r++)
+                        store_tile(g, out + r * MB, MB, n + r, m0, y, g->out[j].ys, n + r - s0);
                 }
+            }
         }
         return;
     }
     /* K-blocked: block by block over all the thread's rows, so one block's
      * activations serve every row while they are in L1; partial sums per row. */
-    float *acc = (float *)scratch;
+    float *acc = (float *)((char *)work + kw__lin_acts_bytes(g));
     memset(acc, 0, (size_t)((n1 - n0) * g->M) * sizeof(float));
     for (int64_t kb = 0; kb < g->K / g->kblk; kb++)
-        for (int64_t n = n0; n < n1; n++)
+        for (int64_t n = n0; n < n1; n += KW__CHUNK) {
+            const int64_t nr = KW__MIN(KW__CHUNK, n1 - n);
             for (int64_t m0 = 0; m0 < g->M; m0 += 4) {
                 const int MB = (int)KW__MIN(4, g->M - m0);
-                block_dots(g, x, xs, dp, kb, n, m0, MB, out);
-                for (int m = 0; m < MB; m++) acc[(n - n0) * g->M + m0 + m] += out[m];
+                block_run(g, &a, kb, n, nr, m0, MB, out);
+                for (int64_t r = 0; r < nr; r++)
+                    for (int m = 0; m < MB; m++) acc[(n + r - n0) * g->M + m0 + m] += out[r * MB + m];
             }
+        }
     for (int j = 0; j < g->n_out; j++) {
         int64_t s0, s1;
         char *y;

@@ -66,6 +66,24 @@ static inline void kw_v_storen_bf16(uint16_t *p, kw_v v, int64_t n) {
     _mm256_mask_storeu_epi16(p, kw__m16(n), kw__narrow_bf16(v));
 }
 
+/* 2·KW_VW bf16 read as KW_VW pairs: the even elements widened are the low halves
+ * shifted up, the odd ones the high halves masked, no shuffle (see linear_body.h). */
+typedef __m512i kw_vpair;
+static inline kw_vpair kw_vpair_load(const uint16_t *p) { return _mm512_loadu_si512(p); }
+static inline kw_vpair kw_vpair_loadn(const uint16_t *p, int64_t n) {
+    return _mm512_maskz_loadu_epi16((__mmask32)((1ull << n) - 1), p);
+}
+static inline kw_v kw_vpair_even(kw_vpair v) { return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)); }
+static inline kw_v kw_vpair_odd(kw_vpair v) {
+    return _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xffff0000u)));
+}
+/* The even and the odd lanes of the 2·KW_VW floats a:b. */
+static inline void kw_v_deinterleave(kw_v a, kw_v b, kw_v *even, kw_v *odd) {
+    const __m512i ie = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    *even = _mm512_permutex2var_ps(a, ie, b);
+    *odd = _mm512_permutex2var_ps(a, _mm512_add_epi32(ie, _mm512_set1_epi32(1)), b);
+}
+
 static inline kw_v kw_v_add(kw_v a, kw_v b) { return _mm512_add_ps(a, b); }
 static inline kw_v kw_v_sub(kw_v a, kw_v b) { return _mm512_sub_ps(a, b); }
 static inline kw_v kw_v_mul(kw_v a, kw_v b) { return _mm512_mul_ps(a, b); }
@@ -149,6 +167,23 @@ static inline void kw_v_storen_bf16(uint16_t *p, kw_v v, int64_t n) {
     uint16_t tmp[8];
     _mm_storeu_si128((__m128i *)tmp, kw__narrow_bf16(v));
     memcpy(p, tmp, (size_t)n * 2);
+}
+
+typedef __m256i kw_vpair;
+static inline kw_vpair kw_vpair_load(const uint16_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
+static inline kw_vpair kw_vpair_loadn(const uint16_t *p, int64_t n) {
+    uint16_t tmp[16] = {0};
+    memcpy(tmp, p, (size_t)n * 2);
+    return kw_vpair_load(tmp);
+}
+static inline kw_v kw_vpair_even(kw_vpair v) { return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)); }
+static inline kw_v kw_vpair_odd(kw_vpair v) {
+    return _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xffff0000u)));
+}
+static inline void kw_v_deinterleave(kw_v a, kw_v b, kw_v *even, kw_v *odd) {
+    /* within 128-bit lanes, then the 64-bit quarters in order 0, 2, 1, 3 */
+    *even = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0x88)), 0xd8));
+    *odd = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0xdd)), 0xd8));
 }
 
 static inline kw_v kw_v_add(kw_v a, kw_v b) { return _mm256_add_ps(a, b); }

@@ -96,7 +96,7 @@ Test(linear, long_rows_and_many_outputs) {
     static const kw_dtype pairs[][2] = {{KW_F32, KW_F32}, {KW_F32, KW_BF16}, {KW_BF16, KW_BF16}};
     for (int p = 0; p < 3; p++) {
         tt_case k = {0};
-        const int64_t M = 1 + p * 3, K = 2051, N = 70;
+        const int64_t M = 1 + p * 3, K = 2051, N = 300; /* rows per thread > KW__CHUNK */
         make_x_w(&k, 1, 2, pairs[p][0], pairs[p][1], M, K, N, &r);
         tt_tensor(&k, 0, pairs[p][0], 2, TT_DIMS(M, N), NULL, 0, 0, &r);
         tt_check_variants(KW_OP_LINEAR, &k, lin_tol(pairs[p][0], K), "long rows");
