@@ -13,6 +13,7 @@ from kwker.lower import NotLowerable
 from kwker.options import KwkerOptions, parse_options
 from kwker.rewrite import rewrite_language_model
 from kwker.routing import graph_devices, route_graph
+from kwker.threads import warn_once_if_openmp_spins
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,7 @@ def compile_cpu_inference(gm, example_inputs, opts: KwkerOptions):
     if not_decode is None and opts.inner != "inductor":
         try:
             step = compile_decode_step(aten_gm, example_inputs)
+            warn_once_if_openmp_spins()
             return "decode-replay", step, {**detail, "fallback_ops": step.report.fallback_ops}
         except NotLowerable as e:
             detail["why"] = f"decode step not replayable: {e}"

@@ -1,0 +1,49 @@
+"""kwker's threads and PyTorch's OpenMP threads on the same CPUs.
+
+PyTorch's CPU wheels run intra-op work on GNU OpenMP, whose idle threads spin
+before they sleep (GOMP_SPINCOUNT, 300000 pauses by default: 8 ms of CPU each
+on the 2-vCPU Zen 4 machines kwker is measured on). generate() runs parallel ops
+between decode steps (the copy of the logits, argmax), so when PyTorch's threads
+and kwker's together outnumber the CPUs, the spinning threads take CPU time from
+the replayed step: bench/decode.py --quick measured SmolLM2-360M at 25.8 tokens/s
+by default and 32.6 with GOMP_SPINCOUNT=10000, which left eager (6.80 / 6.84)
+and Inductor (6.97 / 7.08) as they were. OpenMP reads these variables when it
+starts, before kwker is imported, so kwker can only say so.
+"""
+
+import logging
+import os
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SPIN_VARIABLES = ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY", "KMP_BLOCKTIME")
+
+_warned = False
+
+
+def openmp_spin_hint(n_threads: int, n_cpus: int, environ=os.environ) -> str | None:
+    """Why and how to shorten OpenMP's spinning, or None when it cannot matter:
+    the user chose a wait policy, OpenMP is absent, or both pools fit the CPUs
+    (kwker's pool has n_threads - 1 workers, OpenMP's team as many)."""
+    if any(name in environ for name in SPIN_VARIABLES) or not torch.backends.openmp.is_available():
+        return None
+    if 2 * n_threads - 1 <= n_cpus:
+        return None
+    return (
+        f"PyTorch's OpenMP threads spin for milliseconds after each parallel op, and with {n_threads} threads on "
+        f"{n_cpus} CPUs they take CPU time from kwker's decode steps. Set GOMP_SPINCOUNT=10000 in the environment "
+        "before Python starts (KMP_BLOCKTIME=1 with Intel OpenMP): decoding measured about 25 % faster, eager and "
+        "Inductor as fast as before. Setting any of " + ", ".join(SPIN_VARIABLES) + " silences this message."
+    )
+
+
+def warn_once_if_openmp_spins() -> None:
+    global _warned
+    if _warned:
+        return
+    _warned = True
+    hint = openmp_spin_hint(torch.get_num_threads(), len(os.sched_getaffinity(0)))
+    if hint:
+        log.warning(hint)
