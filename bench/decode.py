@@ -9,11 +9,17 @@ side, and the machine's read bandwidth is measured in the same run.
 
 Per row: decode tokens/s, first-compile seconds, the ratio to stock Inductor,
 the decode step against the roofline (bytes a step must read ÷ read bandwidth),
-and whether the tokens equal eager's.
+and whether the tokens equal eager's. First compiles are cold, as in a user's
+first run: Inductor's on-disk caches are off.
+
+OpenMP's spin setting (GOMP_SPINCOUNT and friends, see kwker/threads.py) is read
+when torch starts, so it is the environment's: the JSON and the table record it.
+Run once as is and once with GOMP_SPINCOUNT=10000 to see both.
 """
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -22,11 +28,13 @@ import time
 from pathlib import Path
 
 import torch
+import torch._inductor.config
 
 import kwker
 from kwker import _C
 from kwker.rewrite.linear import is_bf16_valued
 from kwker.testing import BENCH_CONFIGS, bench_model
+from kwker.threads import SPIN_VARIABLES
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import ops as ops_bench  # noqa: E402  (bench/ops.py builds the C benchmark)
@@ -115,6 +123,7 @@ def run(models, dtypes, new_tokens, repeats, prompt_len=32, max_cache_len=1024):
             del model
     return dict(read_gbs=read_gbs, threads=torch.get_num_threads(), new_tokens=new_tokens, repeats=repeats,
                 prompt_len=prompt_len, max_cache_len=max_cache_len, torch=torch.__version__,
+                openmp_spin={name: os.environ[name] for name in SPIN_VARIABLES if name in os.environ},
                 machine=platform.processor() or platform.machine(), isa=_C.cpu_isa(), rows=rows)
 
 
@@ -124,8 +133,9 @@ def _row_line(r):
 
 
 def markdown(result) -> str:
+    spin = ", ".join(f"{k}={v}" for k, v in result["openmp_spin"].items()) or "OpenMP's default spinning"
     lines = [f"read bandwidth {result['read_gbs']:.1f} GB/s, {result['threads']} threads, "
-             f"{result['new_tokens']} new tokens, median of {result['repeats']}", "",
+             f"{result['new_tokens']} new tokens, median of {result['repeats']}, {spin}", "",
              "| model | dtype | backend | decode tok/s | first compile s | × inductor | roofline | tokens = eager |",
              "|---|---|---|---|---|---|---|---|"]
     return "\n".join(lines + [_row_line(r) for r in result["rows"]])
@@ -140,6 +150,7 @@ def main():
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
+    torch._inductor.config.force_disable_caches = True
     if args.quick:
         args.models, args.dtypes, args.new_tokens, args.repeats = "SmolLM2-360M", "fp32", 32, 3
     result = run(args.models.split(","), args.dtypes.split(","), args.new_tokens, args.repeats)

@@ -32,6 +32,9 @@ typedef enum kw_dtype {
 
 size_t kw_dtype_size(kw_dtype dt);
 const char *kw_dtype_name(kw_dtype dt); /* torch's spelling: "float32", "bfloat16", ... */
+/* 1 when each of the n floats is exactly a bfloat16 value (its low 16 bits are
+ * zero) and none is a NaN: converting to bfloat16 then keeps every value. */
+int kw_f32_is_bf16_exact(const float *p, int64_t n);
 
 /* Error codes, one X-macro as in libuv. Functions return 0 or a negative KW_E*. */
 #define KW_ERRORS(X)                                              \

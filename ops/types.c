@@ -24,6 +24,16 @@ const char *kw_dtype_name(kw_dtype dt) {
     }
 }
 
+int kw_f32_is_bf16_exact(const float *p, int64_t n) {
+    const uint32_t *u = (const uint32_t *)p;
+    uint32_t low = 0, nan = 0;
+    for (int64_t i = 0; i < n; i++) { /* no early exit: the loop vectorises */
+        low |= u[i] & 0xffffu;
+        nan |= (u[i] & 0x7fffffffu) > 0x7f800000u;
+    }
+    return !low && !nan;
+}
+
 const char *kw_strerror(int err) {
     switch (err) {
     case KW_OK:

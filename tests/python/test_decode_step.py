@@ -62,3 +62,23 @@ def test_wide_weights_are_read_k_blocked_with_eagers_tokens():
     model = llama(intermediate_size=k)
     assert greedy(model, kwker.compile_config()) == greedy(model)
     assert len(decode_steps(summary.graphs())) == 1, kwker.report()
+
+
+def test_bf16_exactness_agrees_with_a_round_trip_through_bfloat16():
+    g = torch.Generator().manual_seed(3)
+    specials = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), 1e-40, 2.0**-133, 3.0e38])
+    for trial in range(40):
+        w = torch.randn(257, generator=g).to(torch.bfloat16).float()
+        w[:7] = specials
+        if trial % 4 == 1:
+            w[trial] = w[trial].item() + 2.0**-20  # one value off the bf16 grid
+        if trial % 4 == 2:
+            w[trial] = float("nan")  # never packed: NaN != NaN
+        if trial % 4 == 3:
+            w[trial] = 1e-40 + 1e-44  # a denormal with low bits
+        expected = torch.equal(w, w.to(torch.bfloat16).float())
+        assert _C.bf16_exact(w) is expected, (trial, w[trial])
+    with pytest.raises(ValueError, match="contiguous"):
+        _C.bf16_exact(torch.zeros(4, 4).t()[:, :2])
+    with pytest.raises(TypeError, match="float32"):
+        _C.bf16_exact(torch.zeros(4, dtype=torch.bfloat16))

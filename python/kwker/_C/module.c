@@ -57,6 +57,29 @@ static PyObject *linear_block(PyObject *self, PyObject *k) {
     return PyLong_FromLongLong(kw_linear_block(K));
 }
 
+static PyObject *bf16_exact(PyObject *self, PyObject *arg) {
+    kw_tensor t;
+    if (kw__torch_init() || kw__tensor_read(arg, "bf16_exact's argument", &t)) return NULL;
+    int64_t n = 1, expect = 1;
+    for (int d = t.ndim - 1; d >= 0; d--) {
+        if (t.shape[d] != 1 && t.stride[d] != expect) {
+            PyErr_SetString(PyExc_ValueError, "bf16_exact: the tensor must be contiguous");
+            return NULL;
+        }
+        expect *= t.shape[d];
+        n *= t.shape[d];
+    }
+    if (t.dtype != KW_F32) {
+        PyErr_Format(PyExc_TypeError, "bf16_exact: the tensor must be float32, not %s", kw_dtype_name(t.dtype));
+        return NULL;
+    }
+    int exact;
+    Py_BEGIN_ALLOW_THREADS
+    exact = kw_f32_is_bf16_exact(t.data, n);
+    Py_END_ALLOW_THREADS
+    return PyBool_FromLong(exact);
+}
+
 static PyMethodDef module_methods[] = {
     {"cpu_isa", cpu_isa, METH_NOARGS, "The best ISA kwker's kernels use on this CPU."},
     {"op_names", op_names, METH_NOARGS, "The names of kwker's native ops."},
@@ -64,6 +87,9 @@ static PyMethodDef module_methods[] = {
     {"linear_block", linear_block, METH_O,
      "linear_block(K) -> B: linear reads a weight of inner size K fastest stored K-blocked as\n"
      "[K/B, N, B] (w.view(N, K//B, B).transpose(0, 1).contiguous()); 0: as [N, K]."},
+    {"bf16_exact", bf16_exact, METH_O,
+     "bf16_exact(t) -> bool: every value of the contiguous float32 CPU tensor t is exactly a bfloat16\n"
+     "value and none is NaN, so t.to(torch.bfloat16) loses nothing."},
     {NULL, NULL, 0, NULL},
 };
 

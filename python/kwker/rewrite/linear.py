@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kwker import _C
 from kwker.custom_ops import ops
 from kwker.rewrite.match import aten, is_call, val
 
@@ -27,7 +28,7 @@ class PackedWeight:
 
 
 def is_bf16_valued(w: torch.Tensor) -> bool:
-    return w.dtype == torch.float32 and torch.equal(w, w.to(torch.bfloat16).to(torch.float32))
+    return w.dtype == torch.float32 and w.device.type == "cpu" and _C.bf16_exact(w.detach().contiguous())
 
 
 def pack_weights_dtype(weights: list[torch.Tensor]) -> torch.dtype:
@@ -37,9 +38,14 @@ def pack_weights_dtype(weights: list[torch.Tensor]) -> torch.dtype:
 
 
 def pack_weights(weights: list[torch.Tensor]) -> torch.Tensor:
-    """The bytes kwker reads for these weights, stacked by rows."""
-    dtype = pack_weights_dtype(weights)
-    return torch.cat([w.detach().to(dtype) for w in weights], dim=0).contiguous()
+    """The bytes kwker reads for these weights, stacked by rows (converted while
+    copied: one pass over the weights, no intermediate copy)."""
+    packed = torch.empty((sum(w.shape[0] for w in weights), *weights[0].shape[1:]), dtype=pack_weights_dtype(weights))
+    row = 0
+    for w in weights:
+        packed[row:row + w.shape[0]].copy_(w.detach())
+        row += w.shape[0]
+    return packed
 
 
 def rewrite_linears(gm: torch.fx.GraphModule, params: dict[str, torch.Tensor], fuse: bool = True) -> int:
