@@ -41,3 +41,14 @@ void kw_mem_free(void *p, size_t bytes) {
     else
         free(p);
 }
+
+#ifndef MADV_COLLAPSE
+#define MADV_COLLAPSE 25
+#endif
+
+size_t kw_mem_prefer_huge(void *p, size_t bytes) {
+    const uintptr_t start = round_up((uintptr_t)p, KW__HUGE), end = ((uintptr_t)p + bytes) / KW__HUGE * KW__HUGE;
+    if (end <= start) return 0;
+    if (madvise((void *)start, end - start, MADV_HUGEPAGE) != 0) return 0;
+    return madvise((void *)start, end - start, MADV_COLLAPSE) == 0 ? end - start : 0;
+}

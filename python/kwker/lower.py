@@ -20,6 +20,7 @@ from torch.fx import Node
 
 from kwker import _C
 from kwker.custom_ops import ops
+from kwker.rewrite.linear import weight_empty
 from kwker.rewrite.match import val
 
 aten = torch.ops.aten
@@ -50,6 +51,7 @@ class _Lowering:
         self.report = LoweringReport()
         self.block = _weights_to_block(gm)  # get_attr node -> B for weights linear reads K-blocked
         self.constants_by_attr: dict[str, torch.Tensor] = {}
+        self.placeholder_index = {n: i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
         out_node = next(n for n in gm.graph.nodes if n.op == "output")
         self.outputs = [a for a in _flat(out_node.args[0])]
         # storage -> the returned tensor, when it is its whole storage: the fresh
@@ -114,8 +116,12 @@ class _Lowering:
         return None if a is None else self.view(val(a))
 
     def weight_view(self, w: Node) -> int:
-        """A linear's weight: [N, K], or [K/B, N, B] when kwker stored it K-blocked."""
+        """A linear's weight: [N, K], or [K/B, N, B] when kwker stored it K-blocked.
+        A model's own weight, read as stored, is moved onto huge pages in place:
+        streamed through 4 KiB pages it read 20 % slower at 60 GB/s."""
         if w not in self.block:
+            if w.op == "placeholder":
+                _C.prefer_huge_pages(self.example_inputs[self.placeholder_index[w]])
             return self.view(val(w))
         t = self.folded[w]
         buf, _ = self.buffers[storage_key(val(w))]
@@ -415,7 +421,8 @@ INPLACE_LOWERINGS = {
 def block_weight(w: torch.Tensor, block: int) -> torch.Tensor:
     """[N, K] as [K/B, N, B]: linear then streams B-wide slices of many rows at once."""
     n, k = w.shape
-    return w.view(n, k // block, block).transpose(0, 1).contiguous()
+    blocked = weight_empty((k // block, n, block), w.dtype)
+    return blocked.copy_(w.view(n, k // block, block).transpose(0, 1))
 
 
 def _weights_to_block(gm: torch.fx.GraphModule) -> dict[Node, int]:

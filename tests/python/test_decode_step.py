@@ -82,3 +82,28 @@ def test_bf16_exactness_agrees_with_a_round_trip_through_bfloat16():
         _C.bf16_exact(torch.zeros(4, 4).t()[:, :2])
     with pytest.raises(TypeError, match="float32"):
         _C.bf16_exact(torch.zeros(4, dtype=torch.bfloat16))
+
+
+def test_weight_memory_is_zeroed_writable_and_lives_as_long_as_its_tensor():
+    from kwker.rewrite.linear import weight_empty
+
+    w = weight_empty((3000, 1024), torch.bfloat16)  # 6 MB: kw_mem's huge-page path
+    assert w.shape == (3000, 1024) and w.dtype == torch.bfloat16 and w.data_ptr() % 64 == 0
+    assert not w.any()
+    w.fill_(1.5)
+    import gc
+
+    gc.collect()
+    assert float(w.float().sum()) == 1.5 * w.numel()
+    assert weight_empty((0, 4), torch.float32).shape == (0, 4)
+    with pytest.raises(ValueError):
+        _C.weight_memory(-1)
+
+
+def test_moving_a_weight_onto_huge_pages_keeps_its_values():
+    w = torch.randn(4096, 1024)
+    before = w.clone()
+    done = _C.prefer_huge_pages(w)
+    assert 0 <= done <= w.numel() * 4 and done % (2 << 20) == 0
+    assert torch.equal(w, before)
+    assert _C.prefer_huge_pages(torch.zeros(10)) == 0  # no whole 2 MiB page inside

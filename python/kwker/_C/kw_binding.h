@@ -48,6 +48,9 @@ PyObject *kw__tensor_over(PyObject *owner, const kw_tensor *t);
 /* A buffer-protocol object over [ptr, ptr + len) that keeps `owner` alive and,
  * when `plan` is given, destroys that plan (and so its arena) when it dies. */
 PyObject *kw__memory_new(PyObject *owner, void *ptr, Py_ssize_t len, kw_plan *plan);
+/* The same over len fresh zeroed bytes from kw_mem_alloc (2 MiB pages where the
+ * kernel gives them), freed when the object dies. */
+PyObject *kw__memory_alloc(Py_ssize_t len);
 extern PyTypeObject kw__MemoryType;
 
 /* ---- the program as Python sees it ------------------------------------------------ */

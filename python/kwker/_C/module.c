@@ -3,6 +3,8 @@
 #include <Python.h>
 
 #include "kw_ops.h"
+#include "kw_binding.h"
+#include "kw_mem.h"
 #include "kw_module.h"
 
 static PyObject *cpu_isa(PyObject *self, PyObject *unused) {
@@ -80,6 +82,29 @@ static PyObject *bf16_exact(PyObject *self, PyObject *arg) {
     return PyBool_FromLong(exact);
 }
 
+static PyObject *weight_memory(PyObject *self, PyObject *arg) {
+    const Py_ssize_t n = PyLong_AsSsize_t(arg);
+    if (n == -1 && PyErr_Occurred()) return NULL;
+    if (n < 0) {
+        PyErr_SetString(PyExc_ValueError, "weight_memory: the size must be >= 0");
+        return NULL;
+    }
+    return kw__memory_alloc(n);
+}
+
+static PyObject *prefer_huge_pages(PyObject *self, PyObject *arg) {
+    kw_tensor t;
+    if (kw__torch_init() || kw__tensor_read(arg, "prefer_huge_pages' argument", &t)) return NULL;
+    const int64_t extent = kw__layout_extent(&t);
+    size_t done = 0;
+    if (extent > 0) {
+        Py_BEGIN_ALLOW_THREADS
+        done = kw_mem_prefer_huge(t.data, (size_t)extent);
+        Py_END_ALLOW_THREADS
+    }
+    return PyLong_FromSize_t(done);
+}
+
 static PyMethodDef module_methods[] = {
     {"cpu_isa", cpu_isa, METH_NOARGS, "The best ISA kwker's kernels use on this CPU."},
     {"op_names", op_names, METH_NOARGS, "The names of kwker's native ops."},
@@ -87,6 +112,12 @@ static PyMethodDef module_methods[] = {
     {"linear_block", linear_block, METH_O,
      "linear_block(K) -> B: linear reads a weight of inner size K fastest stored K-blocked as\n"
      "[K/B, N, B] (w.view(N, K//B, B).transpose(0, 1).contiguous()); 0: as [N, K]."},
+    {"weight_memory", weight_memory, METH_O,
+     "weight_memory(nbytes) -> buffer: zeroed, 64-byte aligned memory for torch.frombuffer, on 2 MiB\n"
+     "pages where the kernel gives them (weights streamed at 60 GB/s through 4 KiB pages miss the TLB)."},
+    {"prefer_huge_pages", prefer_huge_pages, METH_O,
+     "prefer_huge_pages(t) -> bytes: backs the whole 2 MiB pages of t's memory with huge pages now\n"
+     "(madvise MADV_HUGEPAGE + MADV_COLLAPSE; contents unchanged); 0 where the kernel refuses."},
     {"bf16_exact", bf16_exact, METH_O,
      "bf16_exact(t) -> bool: every value of the contiguous float32 CPU tensor t is exactly a bfloat16\n"
      "value and none is NaN, so t.to(torch.bfloat16) loses nothing."},

@@ -5,6 +5,7 @@
 #include <stdarg.h>
 
 #include "kw_binding.h"
+#include "kw_mem.h"
 
 kw__torch kw__t;
 PyObject *kw__PlanError;
@@ -164,6 +165,7 @@ typedef struct MemoryObject {
     void *ptr;
     Py_ssize_t len;
     kw_plan *plan;
+    int owns_ptr; /* from kw_mem_alloc: freed with the object */
 } MemoryObject;
 
 PyObject *kw__memory_new(PyObject *owner, void *ptr, Py_ssize_t len, kw_plan *plan) {
@@ -173,6 +175,19 @@ PyObject *kw__memory_new(PyObject *owner, void *ptr, Py_ssize_t len, kw_plan *pl
     m->ptr = ptr;
     m->len = len;
     m->plan = plan;
+    m->owns_ptr = 0;
+    return (PyObject *)m;
+}
+
+PyObject *kw__memory_alloc(Py_ssize_t len) {
+    void *ptr = kw_mem_alloc((size_t)len);
+    if (!ptr) return PyErr_NoMemory();
+    MemoryObject *m = (MemoryObject *)kw__memory_new(NULL, ptr, len, NULL);
+    if (!m) {
+        kw_mem_free(ptr, (size_t)len);
+        return NULL;
+    }
+    m->owns_ptr = 1;
     return (PyObject *)m;
 }
 
@@ -180,6 +195,7 @@ static void memory_dealloc(PyObject *self) {
     MemoryObject *m = (MemoryObject *)self;
     Py_XDECREF(m->owner);
     kw_plan_destroy(m->plan);
+    if (m->owns_ptr) kw_mem_free(m->ptr, (size_t)m->len);
     PyObject_Free(self);
 }
 

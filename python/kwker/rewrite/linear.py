@@ -6,6 +6,7 @@ weights are used as stored. Linears that read the same input (q/k/v, gate/up)
 become one linear_n over their weights stored back to back.
 """
 
+import math
 import operator
 from dataclasses import dataclass
 
@@ -37,10 +38,20 @@ def pack_weights_dtype(weights: list[torch.Tensor]) -> torch.dtype:
     return torch.bfloat16 if to_bf16 else weights[0].dtype
 
 
+def weight_empty(shape, dtype: torch.dtype) -> torch.Tensor:
+    """Memory for a weight kwker streams: kw_mem's, on 2 MiB pages where the
+    kernel gives them (PyTorch's allocations get 4 KiB pages unless THP is
+    "always"), zeroed."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    return torch.frombuffer(_C.weight_memory(nbytes), dtype=dtype).view(shape)
+
+
 def pack_weights(weights: list[torch.Tensor]) -> torch.Tensor:
     """The bytes kwker reads for these weights, stacked by rows (converted while
     copied: one pass over the weights, no intermediate copy)."""
-    packed = torch.empty((sum(w.shape[0] for w in weights), *weights[0].shape[1:]), dtype=pack_weights_dtype(weights))
+    packed = weight_empty((sum(w.shape[0] for w in weights), *weights[0].shape[1:]), pack_weights_dtype(weights))
     row = 0
     for w in weights:
         packed[row:row + w.shape[0]].copy_(w.detach())
