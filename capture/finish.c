@@ -315,11 +315,17 @@ static void *view_address(const kw_plan *p, const kw__view *v) {
 
 /* Kernel calls and fallback view arrays, with every fixed address bound. */
 static int build_steps(kw_plan *p, const kw_builder *b, const size_t *work, int isa) {
-    int n_calls = 0, n_fallbacks = 0;
-    for (int i = 0; i < b->n_steps; i++) b->steps[i].op < 0 ? n_fallbacks++ : n_calls++;
+    int n_calls = 0, n_fallbacks = 0, n_shares = 0;
+    for (int i = 0; i < b->n_steps; i++) {
+        b->steps[i].op < 0 ? n_fallbacks++ : n_calls++;
+        n_shares += b->steps[i].op >= 0 && kw_op_get((kw_op_id)b->steps[i].op)->shares_work;
+    }
     p->calls = calloc((size_t)n_calls + 1, sizeof *p->calls);
     p->fallbacks = calloc((size_t)n_fallbacks + 1, sizeof *p->fallbacks);
-    if (!p->calls || !p->fallbacks) return KW_ENOMEM;
+    p->share_bytes = (size_t)n_shares * KW_SHARE_BYTES;
+    p->shares = p->share_bytes ? kw_mem_alloc(p->share_bytes) : NULL;
+    if (!p->calls || !p->fallbacks || (p->share_bytes && !p->shares)) return KW_ENOMEM;
+    char *share = p->shares;
     int c = 0;
     for (int i = 0; i < b->n_steps; i++) {
         const kw__bstep *s = &b->steps[i];
@@ -350,6 +356,10 @@ static int build_steps(kw_plan *p, const kw_builder *b, const size_t *work, int 
         if (work[i]) {
             call->work = p->arena + p->arena_bytes;
             call->work_stride = p->scratch_stride;
+        }
+        if (kw_op_get((kw_op_id)s->op)->shares_work) {
+            call->share = share;
+            share += KW_SHARE_BYTES;
         }
         *st = (kw__step){.fn = kw_op_kernel((kw_op_id)s->op, (kw_isa)isa), .call = call, .fallback = -1};
     }

@@ -115,6 +115,7 @@ typedef struct kw_op_info {
     int (*check)(const kw_call *c, char *msg, size_t msg_len);
     /* Per-thread scratch bytes; NULL when the op needs none. */
     size_t (*work_size)(const kw_call *c);
+    int shares_work; /* hands work out through kw_call.share when it has one */
     kw_kernel_fn kernel[KW_ISA_COUNT]; /* NULL where no variant for that ISA */
 } kw_op_info;
 

@@ -70,17 +70,23 @@ typedef struct kw_tensor {
 
 /* One kernel invocation. The op's kw_op_info says what each tensor slot and
  * parameter means. `work` is per-thread scratch: thread ith owns
- * [work + ith * work_stride, work + (ith + 1) * work_stride). */
+ * [work + ith * work_stride, work + (ith + 1) * work_stride). `share`, when not
+ * NULL, is KW_SHARE_BYTES of zeroed memory the call's threads share to hand
+ * work out at run time (a replay zeroes it before each run); kernels that use
+ * it split their work statically without it. */
+#define KW_SHARE_BYTES 64
 typedef struct kw_call {
     kw_tensor t[KW_CALL_MAX_TENSORS];
     int64_t ip[KW_CALL_MAX_PARAMS];
     double fp[KW_CALL_MAX_PARAMS];
     void *work;
     size_t work_stride;
+    void *share;
 } kw_call;
 
 /* Every thread of the pool calls the kernel with its own (ith, nth) and does its
- * share; kernels never synchronise internally. */
+ * part; kernels never wait for each other (claiming work through `share` is a
+ * lock-free hand-out, never a wait). */
 typedef void (*kw_kernel_fn)(const kw_call *c, int ith, int nth);
 
 #endif

@@ -7,7 +7,7 @@
  * result is PyTorch's f32 linear over the same (bf16-valued) weights up to
  * summation order. Activations BF16 (weights BF16 too): f32 accumulation, bias
  * added in f32, one rounding to bf16 (what PyTorch's oneDNN path does). Threads split the weight
- * rows, so each reads its own contiguous slice of the weights once. */
+ * rows (see kw__lin_claim in linear.h), each reading its own contiguous chunks. */
 #include "linear.h"
 
 static int lin_check_out(const kw_call *c, const char *op, int j, const kw__lin *g, kw__lin_out *o, char *msg,
@@ -103,12 +103,27 @@ int64_t kw_linear_block(int64_t K) {
     return K > KW_LINEAR_BLOCK && K % KW_LINEAR_BLOCK == 0 ? KW_LINEAR_BLOCK : 0;
 }
 
-static void lin_run(const kw_call *c, int n_out, int ith, int nth, kw__lin_rows_fn rows) {
+void kw__linear_prepare_scalar(const kw__lin *g, void *work) { (void)g, (void)work; }
+
+static const struct {
+    kw__lin_prepare_fn prepare;
+    kw__lin_rows_fn rows;
+} lin_isa[KW_ISA_COUNT] = {
+    [KW_ISA_SCALAR] = {kw__linear_prepare_scalar, kw__linear_rows_scalar},
+    [KW_ISA_AVX2] = {kw__linear_prepare_avx2, kw__linear_rows_avx2},
+    [KW_ISA_AVX512] = {kw__linear_prepare_avx512, kw__linear_rows_avx512},
+    [KW_ISA_AVX512BF16] = {kw__linear_prepare_avx512bf16, kw__linear_rows_avx512bf16},
+};
+
+void kw__linear_run(const kw_call *c, int n_out, int ith, int nth, kw_isa isa) {
     kw__lin g;
-    int64_t n0, n1;
     if (kw__lin_from_call(c, "", n_out, &g, NULL, 0)) return; /* capture checked it */
-    kw__split(g.n_total, 16, ith, nth, &n0, &n1);
-    if (n0 < n1) rows(&g, n0, n1, kw__work(c, ith));
+    void *work = kw__work(c, ith);
+    int64_t own = 0, n0, n1;
+    for (int prepared = 0; kw__lin_claim(&g, c->share, &own, ith, nth, &n0, &n1); prepared = 1) {
+        if (!prepared) lin_isa[isa].prepare(&g, work);
+        lin_isa[isa].rows(&g, n0, n1, work);
+    }
 }
 
 /* ---- linear: slots y [..., N], x [..., K], weight [N, K] or K-blocked [K / B, N, B],
@@ -124,14 +139,14 @@ static size_t linear_work(const kw_call *c) {
     return kw__lin_from_call(c, "linear", 1, &g, NULL, 0) ? 0 : kw__lin_work_size(&g);
 }
 
-#define KW__LIN_KERNEL(op, n_out, isa)                                  \
-    static void op##_##isa(const kw_call *c, int ith, int nth) {        \
-        lin_run(c, n_out, ith, nth, kw__linear_rows_##isa);             \
+#define KW__LIN_KERNEL(op, n_out, isa, ISA)                      \
+    static void op##_##isa(const kw_call *c, int ith, int nth) { \
+        kw__linear_run(c, n_out, ith, nth, KW_ISA_##ISA);        \
     }
-KW__LIN_KERNEL(linear, 1, scalar)
-KW__LIN_KERNEL(linear, 1, avx2)
-KW__LIN_KERNEL(linear, 1, avx512)
-KW__LIN_KERNEL(linear, 1, avx512bf16)
+KW__LIN_KERNEL(linear, 1, scalar, SCALAR)
+KW__LIN_KERNEL(linear, 1, avx2, AVX2)
+KW__LIN_KERNEL(linear, 1, avx512, AVX512)
+KW__LIN_KERNEL(linear, 1, avx512bf16, AVX512BF16)
 
 const kw_op_info kw_op_info_linear = {
     .name = "linear",
@@ -139,6 +154,7 @@ const kw_op_info kw_op_info_linear = {
     .arg = {{"y", KW_WRITE, 0}, {"x", KW_READ, 0}, {"weight", KW_READ, 0}, {"bias", KW_READ, 1}},
     .check = linear_check,
     .work_size = linear_work,
+    .shares_work = 1,
     .kernel = {[KW_ISA_SCALAR] = linear_scalar,
                [KW_ISA_AVX2] = linear_avx2,
                [KW_ISA_AVX512] = linear_avx512,
@@ -159,10 +175,10 @@ static size_t linear_multi_work(const kw_call *c) {
     return kw__lin_from_call(c, "linear_multi", KW__LIN_MAX_OUT, &g, NULL, 0) ? 0 : kw__lin_work_size(&g);
 }
 
-KW__LIN_KERNEL(linear_multi, KW__LIN_MAX_OUT, scalar)
-KW__LIN_KERNEL(linear_multi, KW__LIN_MAX_OUT, avx2)
-KW__LIN_KERNEL(linear_multi, KW__LIN_MAX_OUT, avx512)
-KW__LIN_KERNEL(linear_multi, KW__LIN_MAX_OUT, avx512bf16)
+KW__LIN_KERNEL(linear_multi, KW__LIN_MAX_OUT, scalar, SCALAR)
+KW__LIN_KERNEL(linear_multi, KW__LIN_MAX_OUT, avx2, AVX2)
+KW__LIN_KERNEL(linear_multi, KW__LIN_MAX_OUT, avx512, AVX512)
+KW__LIN_KERNEL(linear_multi, KW__LIN_MAX_OUT, avx512bf16, AVX512BF16)
 
 const kw_op_info kw_op_info_linear_multi = {
     .name = "linear_multi",
@@ -176,6 +192,7 @@ const kw_op_info kw_op_info_linear_multi = {
             {"bias", KW_READ, 1}},
     .check = linear_multi_check,
     .work_size = linear_multi_work,
+    .shares_work = 1,
     .kernel = {[KW_ISA_SCALAR] = linear_multi_scalar,
                [KW_ISA_AVX2] = linear_multi_avx2,
                [KW_ISA_AVX512] = linear_multi_avx512,

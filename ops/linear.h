@@ -31,15 +31,74 @@ typedef struct kw__lin {
     kw__lin_out out[KW__LIN_MAX_OUT];
 } kw__lin;
 
-/* Weight rows [n0, n1) of every output row. `work` is the thread's scratch of at
- * least kw__lin_work_size bytes: the activations rearranged for bf16 weights
- * (linear_body.h), then the partial sums of K-blocked weights. */
+/* Per ISA: `prepare` lays out the activations in the thread's scratch (`work`,
+ * at least kw__lin_work_size bytes) once per call, then `rows` computes weight
+ * rows [n0, n1) of every output row, as many times as the thread claims rows. */
+typedef void (*kw__lin_prepare_fn)(const kw__lin *g, void *work);
 typedef void (*kw__lin_rows_fn)(const kw__lin *g, int64_t n0, int64_t n1, void *work);
 
-void kw__linear_rows_scalar(const kw__lin *g, int64_t n0, int64_t n1, void *work);
-void kw__linear_rows_avx2(const kw__lin *g, int64_t n0, int64_t n1, void *work);
-void kw__linear_rows_avx512(const kw__lin *g, int64_t n0, int64_t n1, void *work);
-void kw__linear_rows_avx512bf16(const kw__lin *g, int64_t n0, int64_t n1, void *work);
+#define KW__LIN_ISA(isa)                                           \
+    void kw__linear_prepare_##isa(const kw__lin *g, void *work); \
+    void kw__linear_rows_##isa(const kw__lin *g, int64_t n0, int64_t n1, void *work);
+KW__LIN_ISA(scalar)
+KW__LIN_ISA(avx2)
+KW__LIN_ISA(avx512)
+KW__LIN_ISA(avx512bf16)
+#undef KW__LIN_ISA
+
+/* The linear family's kernel body: claims rows and runs the ISA's tiles on them. */
+void kw__linear_run(const kw_call *c, int n_out, int ith, int nth, kw_isa isa);
+
+/* Rows are handed out in chunks of about 64 KiB of weights (whole groups of 16).
+ * Thread t owns a static range of chunks and works through it from the front;
+ * the last quarter of each range is contested: once a thread's own chunks are
+ * gone it takes other threads' contested ones from the back, so a thread on a
+ * slower core (at 60 GB/s one vCPU here streamed 10-20 % slower than the other)
+ * leaves its last chunks to the faster one. Range t's contested counts (taken
+ * from the front in the low 32 bits, from the back in the high) are share word
+ * t, zero when none is taken; only the contested chunks touch the shared line. */
+#define KW__LIN_SHARE_MAX (KW_SHARE_BYTES / 8)
+
+static inline int64_t kw__lin_chunk_rows(const kw__lin *g) {
+    const int64_t row_bytes = g->K * (int64_t)kw_dtype_size(g->wt);
+    return KW__MAX(16, (65536 / KW__MAX(row_bytes, 1)) / 16 * 16);
+}
+
+/* The next rows [*n0, *n1) for thread ith; 0 when every chunk is taken. *own
+ * (zero at the start of the call) counts the thread's uncontested chunks done.
+ * Without a share line (or with more threads than it has words) a thread does
+ * its own range alone. */
+static inline int kw__lin_claim(const kw__lin *g, uint64_t *share, int64_t *own, int ith, int nth, int64_t *n0,
+                                int64_t *n1) {
+    const int64_t rows = kw__lin_chunk_rows(g), chunks = (g->n_total + rows - 1) / rows;
+    const int steal = share && nth > 1 && nth <= KW__LIN_SHARE_MAX;
+    int64_t chunk = -1;
+    for (int k = 0; k < (steal ? nth : 1) && chunk < 0; k++) {
+        const int t = (ith + k) % nth;
+        int64_t c0, c1;
+        kw__split(chunks, 1, t, nth, &c0, &c1);
+        const int64_t contested = steal ? (c1 - c0 + 3) / 4 : 0, mine = c1 - c0 - contested;
+        if (k == 0 && *own < mine) {
+            chunk = c0 + (*own)++;
+            break;
+        }
+        if (!contested) continue;
+        uint64_t old = __atomic_load_n(&share[t], __ATOMIC_RELAXED);
+        for (;;) {
+            const int64_t front = (int64_t)(old & 0xffffffffu), back = (int64_t)(old >> 32);
+            if (front + back >= contested) break;
+            if (__atomic_compare_exchange_n(&share[t], &old, old + (k ? 1ull << 32 : 1u), 1, __ATOMIC_RELAXED,
+                                            __ATOMIC_RELAXED)) {
+                chunk = k ? c1 - 1 - back : c0 + mine + front;
+                break;
+            }
+        }
+    }
+    if (chunk < 0) return 0;
+    *n0 = chunk * rows;
+    *n1 = KW__MIN(*n0 + rows, g->n_total);
+    return 1;
+}
 
 /* A block of K in the rearranged activations, padded to whole groups of the
  * widest vector's 32 bf16. */
@@ -51,7 +110,7 @@ static inline size_t kw__lin_acts_bytes(const kw__lin *g) {
 }
 
 static inline size_t kw__lin_work_size(const kw__lin *g) {
-    const int64_t partial = g->kblk < g->K ? g->M * g->n_total : 0;
+    const int64_t partial = g->kblk < g->K ? g->M * kw__lin_chunk_rows(g) : 0;
     return kw__lin_acts_bytes(g) + (size_t)partial * sizeof(float) + 128;
 }
 

@@ -162,18 +162,23 @@ typedef struct kw__acts {
     size_t esize; /* element bytes */
 } kw__acts;
 
-static kw__acts prepare_acts(const kw__lin *g, void *scratch) {
+static kw__acts acts_of(const kw__lin *g, void *work) {
 #if defined(__AVX512BF16__)
     if (g->xt == KW_BF16 && g->wt == KW_BF16) return (kw__acts){runs_dp, g->x, g->xs, g->kblk, 2};
 #endif
     if (g->wt == KW_F32) return (kw__acts){runs_f32, g->x, g->xs, g->kblk, 4};
-    const int64_t nb = g->K / g->kblk, bp = kw__lin_block_padded(g->kblk), xsz = (int64_t)kw_dtype_size(g->xt);
-    float *dst = scratch;
+    const int64_t nb = g->K / g->kblk, bp = kw__lin_block_padded(g->kblk);
+    return (kw__acts){runs_pairs, work, nb * bp, bp, 4};
+}
+
+void KW__ISA_NAME(kw__linear_prepare)(const kw__lin *g, void *work) {
+    const kw__acts a = acts_of(g, work);
+    if (a.runs != runs_pairs) return;
+    const size_t xsz = kw_dtype_size(g->xt);
     for (int64_t m = 0; m < g->M; m++)
-        for (int64_t kb = 0; kb < nb; kb++)
-            rearrange_block(g->x + (size_t)(m * g->xs + kb * g->kblk) * (size_t)xsz, g->xt, g->kblk,
-                            dst + m * nb * bp + kb * bp);
-    return (kw__acts){runs_pairs, (const char *)dst, nb * bp, bp, 4};
+        for (int64_t kb = 0; kb < g->K / g->kblk; kb++)
+            rearrange_block(g->x + (size_t)(m * g->xs + kb * g->kblk) * xsz, g->xt, g->kblk,
+                            (float *)work + m * a.xs + kb * a.kbs);
 }
 
 /* The dot products of weight rows [n, n + nr) (block kb) with activation rows
@@ -192,7 +197,7 @@ static void store_tile(const kw__lin *g, const float *out, int MB, int64_t n, in
 }
 
 void KW__ISA_NAME(kw__linear_rows)(const kw__lin *g, int64_t n0, int64_t n1, void *work) {
-    const kw__acts a = prepare_acts(g, work);
+    const kw__acts a = acts_of(g, work);
     float out[KW__CHUNK * 4];
     if (g->kblk == g->K) { /* one block: each row's sums go straight to y */
         for (int j = 0; j < g->n_out; j++) {
@@ -211,7 +216,7 @@ void KW__ISA_NAME(kw__linear_rows)(const kw__lin *g, int64_t n0, int64_t n1, voi
         }
         return;
     }
-    /* K-blocked: block by block over all the thread's rows, so one block's
+    /* K-blocked: block by block over the claimed rows, so one block's
      * activations serve every row while they are in L1; partial sums per row. */
     float *acc = (float *)((char *)work + kw__lin_acts_bytes(g));
     memset(acc, 0, (size_t)((n1 - n0) * g->M) * sizeof(float));

@@ -32,20 +32,12 @@ static int matmul_dnnl_check(const kw_call *c, char *msg, size_t len) {
     return 0;
 }
 
-static void lin_rows(const kw_call *c, int ith, int nth, kw__lin_rows_fn rows) {
-    kw__lin g;
-    int64_t n0, n1;
-    if (kw__lin_from_call(c, "", 1, &g, NULL, 0)) return; /* capture checked it */
-    kw__split(g.n_total, 16, ith, nth, &n0, &n1);
-    if (n0 < n1) rows(&g, n0, n1, kw__work(c, ith));
-}
-
 static size_t matmul_dnnl_work(const kw_call *c) {
     kw__lin g;
     return kw__lin_from_call(c, "", 1, &g, NULL, 0) ? 0 : kw__lin_work_size(&g);
 }
 
-static void matmul_dnnl_scalar(const kw_call *c, int ith, int nth) { lin_rows(c, ith, nth, kw__linear_rows_scalar); }
+static void matmul_dnnl_scalar(const kw_call *c, int ith, int nth) { kw__linear_run(c, 1, ith, nth, KW_ISA_SCALAR); }
 
 #ifdef KW_DNNL
 #include <oneapi/dnnl/dnnl.h>
@@ -153,17 +145,11 @@ static void matmul_dnnl_onednn(const kw_call *c, int ith, int nth) {
     if (ith != 0 || kw__lin_from_call(c, "", 1, &g, NULL, 0)) return;
     /* oneDNN wants a contiguous bias; a strided one (never seen in practice) and
      * a failed primitive fall back to linear's kernel on this thread alone. */
-    if ((g.b && g.bs != 1) || !run_onednn(&g)) lin_rows(c, 0, 1, kw__linear_rows_scalar);
+    if ((g.b && g.bs != 1) || !run_onednn(&g)) kw__linear_run(c, 1, 0, 1, KW_ISA_SCALAR);
 }
 #define KW__MATMUL_FAST matmul_dnnl_onednn
 #else
-static void matmul_dnnl_linear(const kw_call *c, int ith, int nth) {
-    const kw_isa isa = kw_cpu_isa();
-    lin_rows(c, ith, nth,
-             isa >= KW_ISA_AVX512BF16 ? kw__linear_rows_avx512bf16
-             : isa >= KW_ISA_AVX512   ? kw__linear_rows_avx512
-                                      : kw__linear_rows_avx2);
-}
+static void matmul_dnnl_linear(const kw_call *c, int ith, int nth) { kw__linear_run(c, 1, ith, nth, kw_cpu_isa()); }
 #define KW__MATMUL_FAST matmul_dnnl_linear
 #endif
 
@@ -174,5 +160,6 @@ const kw_op_info kw_op_info_matmul_dnnl = {
     .arg = {{"y", KW_WRITE, 0}, {"x", KW_READ, 0}, {"weight", KW_READ, 0}, {"bias", KW_READ, 1}},
     .check = matmul_dnnl_check,
     .work_size = matmul_dnnl_work,
+    .shares_work = 1,
     .kernel = {[KW_ISA_SCALAR] = matmul_dnnl_scalar, [KW_ISA_AVX2] = KW__MATMUL_FAST},
 };

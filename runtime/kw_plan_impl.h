@@ -95,6 +95,9 @@ struct kw_plan {
     /* memory: buffers at [0, arena_bytes), then n_threads scratch strides */
     char *arena;
     size_t arena_bytes, scratch_stride, alloc_bytes;
+    /* the share lines of calls whose op shares work, zeroed before each replay */
+    char *shares;
+    size_t share_bytes;
 
     /* description */
     int n_buffers, n_views, n_barriers;

@@ -1,5 +1,6 @@
 /* The replay loop: every thread of the pool walks the same flat step array. */
 #include <stdlib.h>
+#include <string.h>
 #include <time.h>
 
 #include "kw_mem.h"
@@ -22,6 +23,7 @@ const char *kw__buffer_kind_name(int kind) {
 void kw_plan_destroy(kw_plan *p) {
     if (!p) return;
     if (p->arena) kw_mem_free(p->arena, p->alloc_bytes);
+    kw_mem_free(p->shares, p->share_bytes);
     for (int i = 0; i < p->n_fallbacks; i++) free(p->fallbacks[i].views);
     for (int i = 0; i < p->n_buffers; i++) free(p->buffers[i].name);
     for (int i = 0; i < p->n_steps; i++) {
@@ -118,6 +120,7 @@ int kw_plan_replay(kw_plan *p, kw_pool *pool, void *const *slots) {
     if (atomic_exchange_explicit(&p->busy, 1, memory_order_acquire)) return KW_EBUSY;
     kw__run r = {.plan = p, .pool = pool};
     int rc = bind_slots(p, slots);
+    if (p->shares) memset(p->shares, 0, p->share_bytes);
     if (rc == 0) {
         kw_pool_run(pool, p->profiling ? run_steps_profiled : run_steps, &r);
         rc = atomic_load_explicit(&r.rc, memory_order_relaxed);

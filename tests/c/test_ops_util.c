@@ -97,7 +97,7 @@ double tt_get(const kw_tensor *t, const int64_t *idx) { return get(t->data, offs
 
 void tt_set(kw_tensor *t, const int64_t *idx, double v) { put(t->data, offset(t, idx), t->dtype, v); }
 
-void tt_run(kw_op_id op, kw_kernel_fn fn, const kw_call *c, int nth) {
+void tt_run_shared(kw_op_id op, kw_kernel_fn fn, const kw_call *c, int nth, int shared) {
     const kw_op_info *info = kw_op_get(op);
     kw_call call = *c;
     const size_t ws = info->work_size ? (info->work_size(c) + 63) / 64 * 64 : 0;
@@ -105,9 +105,15 @@ void tt_run(kw_op_id op, kw_kernel_fn fn, const kw_call *c, int nth) {
     if (work) memset(work, 0xa5, ws * (size_t)nth);
     call.work = work;
     call.work_stride = ws;
+    /* Threads run one after another here, so with a share line the first takes
+     * its own work and then every other thread's from the back. */
+    _Alignas(64) unsigned char share[KW_SHARE_BYTES] = {0};
+    call.share = shared ? share : NULL;
     for (int ith = 0; ith < nth; ith++) fn(&call, ith, nth);
     free(work);
 }
+
+void tt_run(kw_op_id op, kw_kernel_fn fn, const kw_call *c, int nth) { tt_run_shared(op, fn, c, nth, 0); }
 
 int64_t tt_compare(const void *got, const void *want, kw_dtype dt, size_t bytes, tt_tol tol, double *g, double *w) {
     const int64_t n = (int64_t)(bytes / kw_dtype_size(dt));
@@ -155,19 +161,21 @@ int tt_check_variants(kw_op_id op, tt_case *k, tt_tol tol, const char *what) {
     int compared = 0;
     for (int isa = KW_ISA_SCALAR; isa <= (int)kw_cpu_isa(); isa++) {
         if (!info->kernel[isa]) continue;
-        for (size_t t = 0; t < sizeof nths / sizeof *nths; t++) {
-            for (int s = 0; s < info->n_tensors; s++)
-                if (before[s]) memcpy(k->mem[s], before[s], k->bytes[s]);
-            tt_run(op, info->kernel[isa], &k->c, nths[t]);
-            for (int s = 0; s < info->n_tensors; s++) {
-                if (!before[s]) continue;
-                double g, w;
-                const int64_t i = tt_compare(k->mem[s], ref[s], k->c.t[s].dtype, k->bytes[s], tol, &g, &w);
-                cr_assert_eq(i, -1, "%s: %s/%s nth=%d slot %s: element %lld is %.9g, reference %.9g", what,
-                             info->name, kw_isa_name((kw_isa)isa), nths[t], info->arg[s].name, (long long)i, g, w);
+        for (size_t t = 0; t < sizeof nths / sizeof *nths; t++)
+            for (int shared = 0; shared <= info->shares_work; shared++) {
+                for (int s = 0; s < info->n_tensors; s++)
+                    if (before[s]) memcpy(k->mem[s], before[s], k->bytes[s]);
+                tt_run_shared(op, info->kernel[isa], &k->c, nths[t], shared);
+                for (int s = 0; s < info->n_tensors; s++) {
+                    if (!before[s]) continue;
+                    double g, w;
+                    const int64_t i = tt_compare(k->mem[s], ref[s], k->c.t[s].dtype, k->bytes[s], tol, &g, &w);
+                    cr_assert_eq(i, -1, "%s: %s/%s nth=%d%s slot %s: element %lld is %.9g, reference %.9g", what,
+                                 info->name, kw_isa_name((kw_isa)isa), nths[t], shared ? " shared" : "",
+                                 info->arg[s].name, (long long)i, g, w);
+                }
+                compared++;
             }
-            compared++;
-        }
     }
     for (int s = 0; s < info->n_tensors; s++) {
         free(before[s]);

@@ -46,6 +46,8 @@ void tt_set(kw_tensor *t, const int64_t *idx, double v);
 /* Runs fn as the pool would, thread by thread, with scratch from the op's
  * work_size (filled with garbage: kernels must not expect zeros). */
 void tt_run(kw_op_id op, kw_kernel_fn fn, const kw_call *c, int nth);
+/* The same with a zeroed share line when `shared` (ops that hand work out). */
+void tt_run_shared(kw_op_id op, kw_kernel_fn fn, const kw_call *c, int nth, int shared);
 
 /* |got - want| <= atol + rtol * |want|; NaN matches NaN. */
 typedef struct tt_tol {
