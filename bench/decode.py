@@ -9,7 +9,9 @@ side, and the machine's read bandwidth is measured in the same run.
 
 Per row: decode tokens/s, first-compile seconds, the ratio to stock Inductor,
 the decode step against the roofline (bytes a step must read ÷ read bandwidth),
-and whether the tokens equal eager's. First compiles are cold, as in a user's
+whether the tokens equal eager's (and how many leading ones do), and how far
+the first decode step's logits are from float32 eager's (relative L2, same
+weights: the bench models' weights are bf16-valued). First compiles are cold, as in a user's
 first run: Inductor's on-disk caches are off.
 
 OpenMP's spin setting (GOMP_SPINCOUNT and friends, see kwker/threads.py) is read
@@ -47,9 +49,9 @@ BACKENDS = {
 }
 
 
-def generate(model, ids, new_tokens, compile_kwargs, max_cache_len):
+def generate(model, ids, new_tokens, compile_kwargs, max_cache_len, **extra):
     kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                  cache_implementation="static", max_cache_len=max_cache_len)
+                  cache_implementation="static", max_cache_len=max_cache_len, **extra)
     if compile_kwargs is not None:
         from transformers import CompileConfig
 
@@ -63,14 +65,31 @@ def generate(model, ids, new_tokens, compile_kwargs, max_cache_len):
 
 def measure_backend(model, ids, backend, new_tokens, repeats, max_cache_len):
     """First call (compiles), then the decode time per token as the difference
-    between a full generate and a one-token generate (prefill only), medians."""
+    between a full generate and a one-token generate (prefill only), medians;
+    and the logits of the first decode step (untimed)."""
     torch._dynamo.reset()
     compile_kwargs = BACKENDS[backend]
     tokens, first = generate(model, ids, new_tokens, compile_kwargs, max_cache_len)
     full = [generate(model, ids, new_tokens, compile_kwargs, max_cache_len)[1] for _ in range(repeats)]
     one = [generate(model, ids, 1, compile_kwargs, max_cache_len)[1] for _ in range(repeats)]
     step_s = (statistics.median(full) - statistics.median(one)) / (new_tokens - 1)
-    return dict(tokens=tokens, step_s=step_s, first_compile_s=max(first - statistics.median(full), 0.0))
+    two, _ = generate(model, ids, 2, compile_kwargs, max_cache_len, output_logits=True, return_dict_in_generate=True)
+    return dict(tokens=tokens, step_s=step_s, first_compile_s=max(first - statistics.median(full), 0.0),
+                step_input=two.sequences[0, :-1], step_logits=two.logits[1][0].float())
+
+
+def matching_tokens(tokens, ref, prompt_len) -> int:
+    """How many new tokens agree with the reference before the first difference."""
+    differ = (tokens[0, prompt_len:] != ref[0, prompt_len:]).nonzero()
+    return int(differ[0, 0]) if len(differ) else tokens.shape[1] - prompt_len
+
+
+def logits_error(r, ref) -> float | None:
+    """Relative L2 distance of the first decode step's logits from the float32
+    eager ones, when both steps saw the same tokens; None otherwise."""
+    if ref is None or not torch.equal(r["step_input"], ref["step_input"]):
+        return None
+    return float((r["step_logits"] - ref["step_logits"]).norm() / ref["step_logits"].norm())
 
 
 def bytes_per_step(model, backend, avg_len):
@@ -100,16 +119,26 @@ def read_bandwidth_gbs(threads: int) -> float:
 
 
 def run(models, dtypes, new_tokens, repeats, prompt_len=32, max_cache_len=1024):
-    read_gbs = read_bandwidth_gbs(torch.get_num_threads())
+    """Every backend of one model and dtype side by side. The read bandwidth of
+    this VM moves (35 or 60 GB/s, with where the host puts its vCPUs), so it is
+    measured before and after each backend and each row uses the mean."""
+    threads = torch.get_num_threads()
     rows = []
     for name in models:
+        fp32_eager = None  # the reference for every dtype's logits
         for dtype_name in dtypes:
             dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
             model = bench_model(name, dtype=dtype)
             ids = torch.randint(0, model.config.vocab_size, (1, prompt_len), generator=torch.Generator().manual_seed(0))
-            results = {b: measure_backend(model, ids, b, new_tokens, repeats, max_cache_len) for b in BACKENDS}
+            results, reads = {}, [read_bandwidth_gbs(threads)]
+            for b in BACKENDS:
+                results[b] = measure_backend(model, ids, b, new_tokens, repeats, max_cache_len)
+                reads.append(read_bandwidth_gbs(threads))
+            if dtype_name == "fp32":
+                fp32_eager = results["eager"]
             ref = results["eager"]["tokens"]
-            for backend, r in results.items():
+            for i, (backend, r) in enumerate(results.items()):
+                read_gbs = (reads[i] + reads[i + 1]) / 2
                 roofline_s = bytes_per_step(model, backend, prompt_len + new_tokens / 2) / (read_gbs * 1e9)
                 rows.append(dict(
                     model=name, dtype=dtype_name, backend=backend,
@@ -118,26 +147,33 @@ def run(models, dtypes, new_tokens, repeats, prompt_len=32, max_cache_len=1024):
                     ratio_vs_inductor=results["inductor"]["step_s"] / r["step_s"],
                     roofline_frac=roofline_s / r["step_s"],
                     tokens_equal=bool(torch.equal(r["tokens"], ref)),
+                    matching_tokens=matching_tokens(r["tokens"], ref, prompt_len),
+                    logits_error_vs_fp32=logits_error(r, fp32_eager),
+                    read_gbs=read_gbs,
                 ))
                 print(_row_line(rows[-1]), file=sys.stderr, flush=True)
             del model
-    return dict(read_gbs=read_gbs, threads=torch.get_num_threads(), new_tokens=new_tokens, repeats=repeats,
+    return dict(threads=threads, new_tokens=new_tokens, repeats=repeats,
                 prompt_len=prompt_len, max_cache_len=max_cache_len, torch=torch.__version__,
                 openmp_spin={name: os.environ[name] for name in SPIN_VARIABLES if name in os.environ},
                 machine=platform.processor() or platform.machine(), isa=_C.cpu_isa(), rows=rows)
 
 
 def _row_line(r):
+    err = r["logits_error_vs_fp32"]
     return (f"| {r['model']} | {r['dtype']} | {r['backend']} | {r['tokens_per_s']:.2f} | {r['first_compile_s']:.1f} "
-            f"| {r['ratio_vs_inductor']:.2f} | {r['roofline_frac']:.2f} | {'yes' if r['tokens_equal'] else 'NO'} |")
+            f"| {r['ratio_vs_inductor']:.2f} | {r['roofline_frac']:.2f} | {r['read_gbs']:.1f} "
+            f"| {'yes' if r['tokens_equal'] else 'NO'} ({r['matching_tokens']}) "
+            f"| {'-' if err is None else f'{err:.1e}'} |")
 
 
 def markdown(result) -> str:
     spin = ", ".join(f"{k}={v}" for k, v in result["openmp_spin"].items()) or "OpenMP's default spinning"
-    lines = [f"read bandwidth {result['read_gbs']:.1f} GB/s, {result['threads']} threads, "
-             f"{result['new_tokens']} new tokens, median of {result['repeats']}, {spin}", "",
-             "| model | dtype | backend | decode tok/s | first compile s | × inductor | roofline | tokens = eager |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [f"{result['threads']} threads, {result['new_tokens']} new tokens, median of {result['repeats']}, {spin}",
+             "",
+             "| model | dtype | backend | decode tok/s | first compile s | × inductor | roofline | read GB/s "
+             "| tokens = eager (leading equal) | logits error vs fp32 |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     return "\n".join(lines + [_row_line(r) for r in result["rows"]])
 
 
