@@ -63,19 +63,33 @@ def generate(model, ids, new_tokens, compile_kwargs, max_cache_len, **extra):
     return out, time.perf_counter() - start
 
 
-def measure_backend(model, ids, backend, new_tokens, repeats, max_cache_len):
-    """First call (compiles), then the decode time per token as the difference
-    between a full generate and a one-token generate (prefill only), medians;
-    and the logits of the first decode step (untimed)."""
+def measure_backend(model, ids, backend, new_tokens, repeats, max_cache_len, step_bytes):
+    """The first call, a two-token generate (one decode step: it compiles);
+    then the decode time per token as the difference between a full generate
+    and a one-token generate (prefill only), medians. The first compile is the
+    first call less a warm two-token generate, which keeps the noise of a long
+    decode out of it. The read bandwidth of this VM moves (about 35 or 60 GB/s,
+    with where the host puts its vCPUs, sometimes within one generate), so it is
+    read before and after every full generate, and the roofline fraction is the
+    median over the full generates of each one's step time against the mean of
+    its two readings. The logits of the first decode step come untimed."""
     torch._dynamo.reset()
     compile_kwargs = BACKENDS[backend]
-    tokens, first = generate(model, ids, new_tokens, compile_kwargs, max_cache_len)
-    full = [generate(model, ids, new_tokens, compile_kwargs, max_cache_len)[1] for _ in range(repeats)]
-    one = [generate(model, ids, 1, compile_kwargs, max_cache_len)[1] for _ in range(repeats)]
-    step_s = (statistics.median(full) - statistics.median(one)) / (new_tokens - 1)
-    two, _ = generate(model, ids, 2, compile_kwargs, max_cache_len, output_logits=True, return_dict_in_generate=True)
-    return dict(tokens=tokens, step_s=step_s, first_compile_s=max(first - statistics.median(full), 0.0),
-                step_input=two.sequences[0, :-1], step_logits=two.logits[1][0].float())
+    threads = torch.get_num_threads()
+    _, first = generate(model, ids, 2, compile_kwargs, max_cache_len)
+    tokens, _ = generate(model, ids, new_tokens, compile_kwargs, max_cache_len)
+    one = statistics.median(generate(model, ids, 1, compile_kwargs, max_cache_len)[1] for _ in range(repeats))
+    reads, steps = [read_bandwidth_gbs(threads)], []
+    for _ in range(repeats):
+        steps.append((generate(model, ids, new_tokens, compile_kwargs, max_cache_len)[1] - one) / (new_tokens - 1))
+        reads.append(read_bandwidth_gbs(threads))
+    roofline = [step_bytes / ((reads[i] + reads[i + 1]) / 2 * 1e9) / steps[i] for i in range(repeats)]
+    two = [generate(model, ids, 2, compile_kwargs, max_cache_len, output_logits=True, return_dict_in_generate=True)
+           for _ in range(repeats)]
+    return dict(tokens=tokens, step_s=statistics.median(steps), roofline_frac=statistics.median(roofline),
+                read_gbs=statistics.median(reads),
+                first_compile_s=max(first - statistics.median(t for _, t in two), 0.0),
+                step_input=two[0][0].sequences[0, :-1], step_logits=two[0][0].logits[1][0].float())
 
 
 def matching_tokens(tokens, ref, prompt_len) -> int:
@@ -119,10 +133,7 @@ def read_bandwidth_gbs(threads: int) -> float:
 
 
 def run(models, dtypes, new_tokens, repeats, prompt_len=32, max_cache_len=1024):
-    """Every backend of one model and dtype side by side. The read bandwidth of
-    this VM moves (35 or 60 GB/s, with where the host puts its vCPUs), so it is
-    measured before and after each backend and each row uses the mean."""
-    threads = torch.get_num_threads()
+    """Every backend of one model and dtype side by side."""
     rows = []
     for name in models:
         fp32_eager = None  # the reference for every dtype's logits
@@ -130,30 +141,29 @@ def run(models, dtypes, new_tokens, repeats, prompt_len=32, max_cache_len=1024):
             dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
             model = bench_model(name, dtype=dtype)
             ids = torch.randint(0, model.config.vocab_size, (1, prompt_len), generator=torch.Generator().manual_seed(0))
-            results, reads = {}, [read_bandwidth_gbs(threads)]
-            for b in BACKENDS:
-                results[b] = measure_backend(model, ids, b, new_tokens, repeats, max_cache_len)
-                reads.append(read_bandwidth_gbs(threads))
+            results = {
+                b: measure_backend(model, ids, b, new_tokens, repeats, max_cache_len,
+                                   bytes_per_step(model, b, prompt_len + new_tokens / 2))
+                for b in BACKENDS
+            }
             if dtype_name == "fp32":
                 fp32_eager = results["eager"]
             ref = results["eager"]["tokens"]
-            for i, (backend, r) in enumerate(results.items()):
-                read_gbs = (reads[i] + reads[i + 1]) / 2
-                roofline_s = bytes_per_step(model, backend, prompt_len + new_tokens / 2) / (read_gbs * 1e9)
+            for backend, r in results.items():
                 rows.append(dict(
                     model=name, dtype=dtype_name, backend=backend,
                     tokens_per_s=1.0 / r["step_s"],
                     first_compile_s=r["first_compile_s"],
                     ratio_vs_inductor=results["inductor"]["step_s"] / r["step_s"],
-                    roofline_frac=roofline_s / r["step_s"],
+                    roofline_frac=r["roofline_frac"],
                     tokens_equal=bool(torch.equal(r["tokens"], ref)),
                     matching_tokens=matching_tokens(r["tokens"], ref, prompt_len),
                     logits_error_vs_fp32=logits_error(r, fp32_eager),
-                    read_gbs=read_gbs,
+                    read_gbs=r["read_gbs"],
                 ))
                 print(_row_line(rows[-1]), file=sys.stderr, flush=True)
             del model
-    return dict(threads=threads, new_tokens=new_tokens, repeats=repeats,
+    return dict(threads=torch.get_num_threads(), new_tokens=new_tokens, repeats=repeats,
                 prompt_len=prompt_len, max_cache_len=max_cache_len, torch=torch.__version__,
                 openmp_spin={name: os.environ[name] for name in SPIN_VARIABLES if name in os.environ},
                 machine=platform.processor() or platform.machine(), isa=_C.cpu_isa(), rows=rows)
