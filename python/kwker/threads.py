@@ -32,7 +32,7 @@ def openmp_spin_hint(n_threads: int, n_cpus: int, environ=os.environ) -> str | N
     if 2 * n_threads - 1 <= n_cpus:
         return None
     return (
-        f"PyTorch's OpenMP threads spin for milliseconds after each parallel op, and with {n_threads} threads on "
+        f"kwker: PyTorch's OpenMP threads spin for milliseconds after each parallel op, and with {n_threads} threads on "
         f"{n_cpus} CPUs they take CPU time from kwker's decode steps. Set GOMP_SPINCOUNT=10000 in the environment "
         "before Python starts (KMP_BLOCKTIME=1 with Intel OpenMP): decoding measured about 25 % faster, eager and "
         "Inductor as fast as before. Setting any of " + ", ".join(SPIN_VARIABLES) + " silences this message."
