@@ -32,9 +32,6 @@ typedef enum kw_dtype {
 
 size_t kw_dtype_size(kw_dtype dt);
 const char *kw_dtype_name(kw_dtype dt); /* torch's spelling: "float32", "bfloat16", ... */
-/* 1 when each of the n floats is exactly a bfloat16 value (its low 16 bits are
- * zero) and none is a NaN: converting to bfloat16 then keeps every value. */
-int kw_f32_is_bf16_exact(const float *p, int64_t n);
 
 /* Error codes, one X-macro as in libuv. Functions return 0 or a negative KW_E*. */
 #define KW_ERRORS(X)                                              \
@@ -67,6 +64,12 @@ typedef struct kw_tensor {
     int64_t shape[KW_MAX_DIMS];
     int64_t stride[KW_MAX_DIMS]; /* in elements, may be 0 (broadcast) */
 } kw_tensor;
+
+/* For a contiguous float32 tensor: 1 when every value is exactly a bfloat16
+ * value (its low 16 bits are zero) and none is a NaN, so converting to bfloat16
+ * keeps every value; else 0. KW_EDTYPE when t is not float32, KW_EINVAL when
+ * it is not contiguous. */
+int kw_tensor_bf16_exact(const kw_tensor *t);
 
 /* One kernel invocation. The op's kw_op_info says what each tensor slot and
  * parameter means. `work` is per-thread scratch: thread ith owns

@@ -1,4 +1,4 @@
-#include "kw_types.h"
+#include "kw_ops_impl.h"
 
 size_t kw_dtype_size(kw_dtype dt) {
     switch (dt) {
@@ -24,8 +24,11 @@ const char *kw_dtype_name(kw_dtype dt) {
     }
 }
 
-int kw_f32_is_bf16_exact(const float *p, int64_t n) {
-    const uint32_t *u = (const uint32_t *)p;
+int kw_tensor_bf16_exact(const kw_tensor *t) {
+    if (t->dtype != KW_F32) return KW_EDTYPE;
+    if (!kw__is_contiguous(t)) return KW_EINVAL;
+    const uint32_t *u = t->data;
+    const int64_t n = kw__numel(t);
     uint32_t low = 0, nan = 0;
     for (int64_t i = 0; i < n; i++) { /* no early exit: the loop vectorises */
         low |= u[i] & 0xffffu;

@@ -11,7 +11,7 @@ Inductor.
 import torch
 
 from kwker.lower import block_weight, lower_to_plan
-from kwker.rewrite import pack_weights
+from kwker.rewrite import pack_weights, pack_weights_dtype
 
 aten = torch.ops.aten
 
@@ -82,14 +82,14 @@ class DecodeStep:
 
 def _repack(packed: torch.Tensor, weights: list[torch.Tensor]) -> None:
     """Packs again into the plan's own tensor (same address, same layout)."""
-    fresh = pack_weights(weights)
-    if packed.dim() == 3:  # K-blocked
-        fresh = block_weight(fresh, packed.shape[2])
-    if fresh.dtype != packed.dtype:
+    if pack_weights_dtype(weights) != packed.dtype:
         raise RuntimeError(
             "kwker: a weight changed in place and is no longer exactly representable in bfloat16, "
             "so its compiled bfloat16 copy cannot be refreshed; call torch._dynamo.reset() and compile again"
         )
+    fresh = pack_weights(weights, packed.dtype)
+    if packed.dim() == 3:  # K-blocked
+        fresh = block_weight(fresh, packed.shape[2])
     packed.copy_(fresh)
 
 

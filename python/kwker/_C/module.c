@@ -62,23 +62,13 @@ static PyObject *linear_block(PyObject *self, PyObject *k) {
 static PyObject *bf16_exact(PyObject *self, PyObject *arg) {
     kw_tensor t;
     if (kw__torch_init() || kw__tensor_read(arg, "bf16_exact's argument", &t)) return NULL;
-    int64_t n = 1, expect = 1;
-    for (int d = t.ndim - 1; d >= 0; d--) {
-        if (t.shape[d] != 1 && t.stride[d] != expect) {
-            PyErr_SetString(PyExc_ValueError, "bf16_exact: the tensor must be contiguous");
-            return NULL;
-        }
-        expect *= t.shape[d];
-        n *= t.shape[d];
-    }
-    if (t.dtype != KW_F32) {
-        PyErr_Format(PyExc_TypeError, "bf16_exact: the tensor must be float32, not %s", kw_dtype_name(t.dtype));
-        return NULL;
-    }
     int exact;
     Py_BEGIN_ALLOW_THREADS
-    exact = kw_f32_is_bf16_exact(t.data, n);
+    exact = kw_tensor_bf16_exact(&t);
     Py_END_ALLOW_THREADS
+    if (exact == KW_EDTYPE)
+        return PyErr_Format(PyExc_TypeError, "bf16_exact: the tensor must be float32, not %s", kw_dtype_name(t.dtype));
+    if (exact < 0) return PyErr_Format(PyExc_ValueError, "bf16_exact: the tensor must be contiguous");
     return PyBool_FromLong(exact);
 }
 

@@ -10,12 +10,12 @@ import logging
 import torch
 
 from kwker.rewrite.attention import fuse_decode_attention
-from kwker.rewrite.linear import PackedWeight, pack_weights, rewrite_linears
+from kwker.rewrite.linear import PackedWeight, pack_weights, pack_weights_dtype, rewrite_linears
 from kwker.rewrite.rms_norm import fuse_residual_add, fuse_rms_norm
 from kwker.rewrite.rotary import fuse_rotary
 from kwker.rewrite.silu_mul import fuse_silu_mul
 
-__all__ = ["PackedWeight", "pack_weights", "rewrite_language_model"]
+__all__ = ["PackedWeight", "pack_weights", "pack_weights_dtype", "rewrite_language_model"]
 
 log = logging.getLogger(__name__)
 

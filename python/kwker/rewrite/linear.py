@@ -48,10 +48,10 @@ def weight_empty(shape, dtype: torch.dtype) -> torch.Tensor:
     return torch.frombuffer(_C.weight_memory(nbytes), dtype=dtype).view(shape)
 
 
-def pack_weights(weights: list[torch.Tensor]) -> torch.Tensor:
-    """The bytes kwker reads for these weights, stacked by rows (converted while
-    copied: one pass over the weights, no intermediate copy)."""
-    packed = weight_empty((sum(w.shape[0] for w in weights), *weights[0].shape[1:]), pack_weights_dtype(weights))
+def pack_weights(weights: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """The bytes kwker reads for these weights (dtype: pack_weights_dtype's),
+    stacked by rows, converted while copied: one pass, no intermediate copy."""
+    packed = weight_empty((sum(w.shape[0] for w in weights), *weights[0].shape[1:]), dtype)
     row = 0
     for w in weights:
         packed[row:row + w.shape[0]].copy_(w.detach())
@@ -66,10 +66,11 @@ def rewrite_linears(gm: torch.fx.GraphModule, params: dict[str, torch.Tensor], f
     groups = _group_by_input(linears) if fuse else [[m] for m in linears]
     packed = gm.meta.setdefault("kwker_packed", [])
     for group in groups:
-        if len(group) == 1 and pack_weights_dtype([params[group[0].weight.name]]) == val(group[0].weight).dtype:
+        dtype = pack_weights_dtype([params[m.weight.name] for m in group])
+        if len(group) == 1 and dtype == val(group[0].weight).dtype:
             _rewrite_single_as_stored(gm.graph, group[0])
         else:
-            packed.append(_rewrite_group(gm, group, params))
+            packed.append(_rewrite_group(gm, group, params, dtype))
     return len(linears)
 
 
@@ -123,11 +124,11 @@ def _group_by_input(linears):
     return list(groups.values())
 
 
-def _rewrite_group(gm, group: list[_Linear], params) -> PackedWeight:
+def _rewrite_group(gm, group: list[_Linear], params, dtype: torch.dtype) -> PackedWeight:
     graph = gm.graph
     weights = [params[m.weight.name] for m in group]
     attr = f"kwker_weight_{len(gm.meta['kwker_packed'])}"
-    gm.register_buffer(attr, pack_weights(weights))
+    gm.register_buffer(attr, pack_weights(weights, dtype))
     first = group[0].node
     with graph.inserting_before(first):
         w_node = graph.get_attr(attr)
