@@ -107,3 +107,13 @@ def test_moving_a_weight_onto_huge_pages_keeps_its_values():
     assert 0 <= done <= w.numel() * 4 and done % (2 << 20) == 0
     assert torch.equal(w, before)
     assert _C.prefer_huge_pages(torch.zeros(10)) == 0  # no whole 2 MiB page inside
+
+
+def test_every_residual_add_before_a_norm_is_fused_into_it():
+    model = llama()
+    assert greedy(model, kwker.compile_config()) == greedy(model)
+    (step,) = decode_steps(summary.graphs())
+    layers = model.config.num_hidden_layers
+    # Two norms per layer and the final one; every one but the first reads a residual sum.
+    assert step.rewrites["rms_norm"] == 2 * layers + 1, step.rewrites
+    assert step.rewrites["add_rms_norm"] == 2 * layers, step.rewrites

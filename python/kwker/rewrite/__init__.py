@@ -26,6 +26,7 @@ def rewrite_language_model(gm: torch.fx.GraphModule, params: dict[str, torch.Ten
     counts = {"decode_attention": fuse_decode_attention(gm)}
     if glue:
         counts["rms_norm"] = fuse_rms_norm(gm)
+        gm.graph.eliminate_dead_code()  # the replaced norms' nodes would count as users of the residual sums
         counts["add_rms_norm"] = fuse_residual_add(gm)
         counts["rotary"] = fuse_rotary(gm)
         counts["silu_mul"] = fuse_silu_mul(gm)
