@@ -58,26 +58,19 @@ def _mutates_first_arg(node) -> bool:
     return bool(schema and schema.arguments and schema.arguments[0].alias_info and schema.arguments[0].alias_info.is_write)
 
 
-class DecodeStep:
-    """The plan, plus the one check a plan cannot make alone: a weight that kwker
-    packed (a bf16 copy, or q/k/v stacked) and that changed in place since is
-    packed again before the step runs."""
+class Repacker:
+    """What the plan calls when a weight that kwker packed (a bf16 copy, or
+    q/k/v stacked) changed in place: packs again each copy whose sources moved."""
 
-    def __init__(self, plan, report, constants: dict[str, torch.Tensor], gm: torch.fx.GraphModule):
-        self.plan, self.report = plan, report
-        names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
-        self.packed = [
-            (constants[p.attr], [names.index(s) for s in p.sources], list(p.versions))
-            for p in gm.meta.get("kwker_packed", [])
-            if p.attr in constants
-        ]
+    def __init__(self, groups: list[tuple[torch.Tensor, list[int], list[int]]]):
+        self.groups = groups  # (packed copy, its sources' argument indices, their versions)
 
-    def __call__(self, *args):
-        for packed, sources, versions in self.packed:
-            if any(args[i]._version != v for i, v in zip(sources, versions)):
+    def __call__(self, args):
+        for packed, sources, versions in self.groups:
+            now = [args[i]._version for i in sources]
+            if now != versions:
                 _repack(packed, [args[i] for i in sources])
-                versions[:] = [args[i]._version for i in sources]
-        return self.plan(*args)
+                versions[:] = now
 
 
 def _repack(packed: torch.Tensor, weights: list[torch.Tensor]) -> None:
@@ -93,9 +86,21 @@ def _repack(packed: torch.Tensor, weights: list[torch.Tensor]) -> None:
     packed.copy_(fresh)
 
 
-def compile_decode_step(gm: torch.fx.GraphModule, example_inputs) -> DecodeStep:
+def compile_decode_step(gm: torch.fx.GraphModule, example_inputs):
+    """The plan, which Dynamo calls directly, and the lowering's report. The
+    plan checks its packed weights' sources for in-place changes in C, before
+    each call, and asks a Repacker to refresh the copies."""
     plan, report, constants = lower_to_plan(gm, example_inputs, static_arg_indices(gm, example_inputs))
-    return DecodeStep(plan, report, constants, gm)
+    names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    groups = [
+        (constants[p.attr], [names.index(s) for s in p.sources], list(p.versions))
+        for p in gm.meta.get("kwker_packed", [])
+        if p.attr in constants
+    ]
+    if groups:
+        watched = {i: v for _, sources, versions in groups for i, v in zip(sources, versions)}
+        plan.watch_versions(list(watched), list(watched.values()), Repacker(groups))
+    return plan, report
 
 
-__all__ = ["DecodeStep", "classify_decode_step", "compile_decode_step", "static_arg_indices"]
+__all__ = ["classify_decode_step", "compile_decode_step", "static_arg_indices"]

@@ -48,9 +48,9 @@ def compile_cpu_inference(gm, example_inputs, opts: KwkerOptions):
     not_decode = classify_decode_step(aten_gm, example_inputs)
     if not_decode is None and opts.inner != "inductor":
         try:
-            step = compile_decode_step(aten_gm, example_inputs)
+            plan, report = compile_decode_step(aten_gm, example_inputs)
             warn_once_if_openmp_spins()
-            return "decode-replay", step, {**detail, "fallback_ops": step.report.fallback_ops}
+            return "decode-replay", plan, {**detail, "fallback_ops": report.fallback_ops}
         except NotLowerable as e:
             detail["why"] = f"decode step not replayable: {e}"
     elif not_decode is not None:

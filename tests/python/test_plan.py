@@ -154,6 +154,29 @@ def small_linear_plan(n_threads=1):
     return b.finish(n_threads), w
 
 
+def test_watch_versions_calls_back_only_after_an_in_place_change():
+    plan, w = small_linear_plan()
+    x = torch.randn(2, 4)
+    seen = []
+    plan.watch_versions([0], [x._version], lambda args: seen.append(args[0]._version))
+    plan(x)
+    plan(x)
+    assert seen == []
+    x.mul_(2.0)
+    torch.testing.assert_close(plan(x)[0], x @ w.T, rtol=1e-5, atol=1e-5)
+    assert seen == [x._version]
+    plan(x)
+    assert len(seen) == 1  # the version it saw after the callback is the new reference
+    plan.watch_versions([0], [x._version], lambda args: 1 / 0)
+    x.add_(1.0)
+    with pytest.raises(ZeroDivisionError):
+        plan(x)
+    with pytest.raises(ValueError, match="out of range"):
+        plan.watch_versions([3], [0], print)
+    with pytest.raises(ValueError, match="1 indices but 2 versions"):
+        plan.watch_versions([0], [0, 0], print)
+
+
 def test_a_wrong_input_shape_raises_naming_the_input_and_both_shapes():
     plan, _ = small_linear_plan()
     with pytest.raises(_C.PlanError, match=r"input 'x' \(argument 0\): expected shape \(2, 4\), got \(2, 5\)") as e:

@@ -17,7 +17,7 @@ typedef struct kw__torch {
     PyObject *dtype[KW_DTYPE_COUNT]; /* torch.float32, ... by kw_dtype */
     PyObject *empty_strided, *frombuffer, *get_num_threads, *cpu;
     PyObject *kw_dtype_device; /* ("dtype", "device"): keyword names for empty_strided */
-    PyObject *s_dtype, *s_shape, *s_stride, *s_data_ptr, *s_is_cpu, *s_as_strided, *s_storage_offset;
+    PyObject *s_dtype, *s_shape, *s_stride, *s_data_ptr, *s_is_cpu, *s_as_strided, *s_storage_offset, *s_version;
 } kw__torch;
 
 extern kw__torch kw__t;

@@ -29,6 +29,10 @@ typedef struct PlanObject {
     struct kw__make *make;  /* by view: how a returned or fallback view becomes a tensor */
     int n_make;
     PyObject *const *args;  /* this call's arguments */
+    int n_watched;          /* arguments whose in-place changes call on_change (see plan_watch_versions) */
+    int *watched;
+    int64_t *versions;      /* their tensor version counters when last seen */
+    PyObject *on_change;
     PyObject *exc_type, *exc_value, *exc_tb; /* a fallback's exception */
 } PlanObject;
 
@@ -226,6 +230,35 @@ static PyObject *replay_failed(PlanObject *p, int rc) {
     return kw__plan_error(rc, "replay failed: %s", kw_strerror(rc));
 }
 
+static int64_t tensor_version(PyObject *t) {
+    PyObject *v = PyObject_GetAttr(t, kw__t.s_version);
+    const int64_t version = v ? PyLong_AsLongLong(v) : -1;
+    Py_XDECREF(v);
+    return version;
+}
+
+/* Calls on_change(args) when a watched argument was changed in place since the
+ * last call (its version counter moved), then records the versions again. */
+static int check_versions(PlanObject *p, PyObject *const *args, Py_ssize_t nargs) {
+    int changed = 0;
+    for (int i = 0; i < p->n_watched && !changed; i++) {
+        const int64_t v = tensor_version(args[p->watched[i]]);
+        if (v == -1 && PyErr_Occurred()) return -1;
+        changed = v != p->versions[i];
+    }
+    if (!changed) return 0;
+    PyObject *tuple = PyTuple_New(nargs);
+    if (!tuple) return -1;
+    for (Py_ssize_t i = 0; i < nargs; i++) PyTuple_SET_ITEM(tuple, i, Py_NewRef(args[i]));
+    PyObject *r = PyObject_CallOneArg(p->on_change, tuple);
+    Py_DECREF(tuple);
+    if (!r) return -1;
+    Py_DECREF(r);
+    for (int i = 0; i < p->n_watched; i++)
+        if ((p->versions[i] = tensor_version(args[p->watched[i]])) == -1 && PyErr_Occurred()) return -1;
+    return 0;
+}
+
 static PyObject *plan_call(PyObject *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
     PlanObject *p = (PlanObject *)self;
     kw__program *prog = p->prog;
@@ -240,6 +273,7 @@ static PyObject *plan_call(PyObject *self, PyObject *const *args, size_t nargsf,
                                                 : "a plan cannot be called from another plan's fallback");
     for (int i = 0; i < prog->n_inputs; i++)
         if (bind_input(p, &prog->inputs[i], args[prog->inputs[i].arg])) return NULL;
+    if (p->n_watched && check_versions(p, args, nargs)) return NULL;
     kw_pool *pool = pool_get(p->n_threads);
     if (!pool || make_outputs(p)) {
         drop_fresh(p);
@@ -389,6 +423,7 @@ static int plan_traverse(PyObject *self, visitproc visit, void *arg) {
     PlanObject *p = (PlanObject *)self;
     Py_VISIT(p->dict);
     Py_VISIT(p->memory);
+    Py_VISIT(p->on_change);
     for (int i = 0; p->fixed && p->prog && i < p->prog->n_views; i++) Py_VISIT(p->fixed[i]);
     return kw__program_traverse(p->prog, visit, arg);
 }
@@ -396,6 +431,8 @@ static int plan_traverse(PyObject *self, visitproc visit, void *arg) {
 static int plan_clear(PyObject *self) {
     PlanObject *p = (PlanObject *)self;
     Py_CLEAR(p->dict);
+    Py_CLEAR(p->on_change);
+    p->n_watched = 0;
     for (int i = 0; p->fixed && p->prog && i < p->prog->n_views; i++) Py_CLEAR(p->fixed[i]);
     kw__program *prog = p->prog;
     p->prog = NULL;
@@ -414,6 +451,8 @@ static void plan_dealloc(PyObject *self) {
     PyMem_Free(p->slots);
     PyMem_Free(p->fresh);
     PyMem_Free(p->fixed);
+    PyMem_Free(p->watched);
+    PyMem_Free(p->versions);
     for (int v = 0; p->make && v < p->n_make; v++) {
         Py_XDECREF(p->make[v].shape);
         Py_XDECREF(p->make[v].stride);
@@ -534,7 +573,57 @@ static PyObject *plan_repr(PyObject *self) {
                                 kw_plan_arena_bytes(p->plan));
 }
 
+static PyObject *plan_watch_versions(PyObject *self, PyObject *args) {
+    PlanObject *p = (PlanObject *)self;
+    PyObject *indices, *versions, *on_change;
+    if (!PyArg_ParseTuple(args, "OOO:watch_versions", &indices, &versions, &on_change)) return NULL;
+    if (!p->prog) return kw__plan_error(KW_ESTATE, "the plan was cleared");
+    if (!PyCallable_Check(on_change)) return PyErr_Format(PyExc_TypeError, "watch_versions: on_change must be callable");
+    PyObject *ind = PySequence_Fast(indices, "watch_versions: indices must be a sequence of ints");
+    PyObject *ver = ind ? PySequence_Fast(versions, "watch_versions: versions must be a sequence of ints") : NULL;
+    if (!ver) {
+        Py_XDECREF(ind);
+        return NULL;
+    }
+    const Py_ssize_t n = PySequence_Fast_GET_SIZE(ind);
+    int *watched = PyMem_Calloc((size_t)n + 1, sizeof *watched);
+    int64_t *vers = PyMem_Calloc((size_t)n + 1, sizeof *vers);
+    int bad = !watched || !vers;
+    if (bad) PyErr_NoMemory();
+    else if (PySequence_Fast_GET_SIZE(ver) != n) {
+        PyErr_Format(PyExc_ValueError, "watch_versions: %zd indices but %zd versions", n, PySequence_Fast_GET_SIZE(ver));
+        bad = 1;
+    }
+    for (Py_ssize_t i = 0; !bad && i < n; i++) {
+        const long a = PyLong_AsLong(PySequence_Fast_GET_ITEM(ind, i));
+        vers[i] = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(ver, i));
+        if (PyErr_Occurred()) bad = 1;
+        else if (a < 0 || a >= p->prog->n_args) {
+            PyErr_Format(PyExc_ValueError, "watch_versions: argument %ld out of range (the plan takes %d)", a,
+                         p->prog->n_args);
+            bad = 1;
+        }
+        watched[i] = (int)a;
+    }
+    Py_DECREF(ind);
+    Py_DECREF(ver);
+    if (bad) {
+        PyMem_Free(watched);
+        PyMem_Free(vers);
+        return NULL;
+    }
+    PyMem_Free(p->watched);
+    PyMem_Free(p->versions);
+    p->watched = watched, p->versions = vers, p->n_watched = (int)n;
+    Py_XSETREF(p->on_change, Py_NewRef(on_change));
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef plan_methods[] = {
+    {"watch_versions", plan_watch_versions, METH_VARARGS,
+     "watch_versions(indices, versions, on_change): before a call runs, if the tensor version of any argument\n"
+     "in indices differs from the one recorded (versions, then what the last check saw), on_change(args)\n"
+     "is called with the call's arguments, e.g. to refresh a copy of a weight changed in place."},
     {"dump", plan_dump, METH_NOARGS,
      "dump() -> str: arguments and returns, then buffers (kind, bytes, arena offset, live range) and steps\n"
      "(op, views, barriers, bytes read and written)."},

@@ -56,7 +56,8 @@ int kw__torch_init(void) {
     if (!rc && !(t.kw_dtype_device = Py_BuildValue("(ss)", "dtype", "device"))) rc = -1;
     if (!rc) rc = intern(&t.s_dtype, "dtype") || intern(&t.s_shape, "shape") || intern(&t.s_stride, "stride") ||
                   intern(&t.s_data_ptr, "data_ptr") || intern(&t.s_is_cpu, "is_cpu") ||
-                  intern(&t.s_as_strided, "as_strided") || intern(&t.s_storage_offset, "storage_offset");
+                  intern(&t.s_as_strided, "as_strided") || intern(&t.s_storage_offset, "storage_offset") ||
+                  intern(&t.s_version, "_version");
     if (rc) {
         /* Partly filled: the references leak, once, on a broken torch install. */
         Py_DECREF(torch);
