@@ -7,8 +7,10 @@ side, and the machine's read bandwidth is measured in the same run.
 
     python bench/decode.py [--quick] --out FILE
 
-Per row: decode tokens/s, first-compile seconds, the ratio to stock Inductor,
-the decode step against the roofline (bytes a step must read ÷ read bandwidth),
+Per row: decode tokens/s of the whole generate() loop, first-compile seconds,
+the ratio to stock Inductor, the decode step (the model call generate() makes
+per token, Dynamo's guards included) and what generate() adds around it per
+token, the step against the roofline (bytes a step must read ÷ read bandwidth),
 whether the tokens equal eager's (and how many leading ones do), and how far
 the first decode step's logits are from float32 eager's (relative L2, same
 weights: the bench models' weights are bf16-valued). First compiles are cold, as in a user's
@@ -64,31 +66,63 @@ def generate(model, ids, new_tokens, compile_kwargs, max_cache_len, **extra):
     return out, time.perf_counter() - start
 
 
+class StepTimer:
+    """Times every call generate() makes to the model after the prefill: the
+    decode step as the caller sees it (for a compiled backend, Dynamo's compiled
+    callable, its guards included), without generate()'s own Python around it."""
+
+    def __init__(self, model, compiled: bool):
+        self.model, self.compiled, self.times = model, compiled, []
+
+    def _timed(self, fn):
+        def call(*args, **kwargs):
+            start = time.perf_counter()
+            out = fn(*args, **kwargs)
+            self.times.append(time.perf_counter() - start)
+            return out
+        return call
+
+    def __enter__(self):
+        if self.compiled:
+            compiled_call = self.model.get_compiled_call
+            self.model.get_compiled_call = lambda config: self._timed(compiled_call(config))
+        else:  # generate() decodes through self.__call__ (the prefill calls self(...))
+            self.model.__call__ = self._timed(type(self.model).__call__.__get__(self.model))
+        return self
+
+    def __exit__(self, *exc):
+        del self.model.__dict__["get_compiled_call" if self.compiled else "__call__"]
+
+
 def measure_backend(model, ids, backend, new_tokens, repeats, max_cache_len, step_bytes):
-    """The first call, a two-token generate (one decode step: it compiles);
-    then the decode time per token as the difference between a full generate
-    and a one-token generate (prefill only), medians. The first compile is the
-    first call less a warm two-token generate, which keeps the noise of a long
-    decode out of it. The read bandwidth of this VM moves (about 35 or 60 GB/s,
-    with where the host puts its vCPUs, sometimes within one generate), so it is
-    read before and after every full generate, and the roofline fraction is the
-    median over the full generates of each one's step time against the mean of
-    its two readings. The logits of the first decode step come untimed."""
+    """The first call, a two-token generate (one decode step: it compiles).
+    Then, per full generate: the decode tokens/s as the difference from a
+    one-token generate (prefill only), and the decode step time as the median
+    of its timed model calls (StepTimer); medians over the generates. The first
+    compile is the first call less a warm two-token generate, which keeps the
+    noise of a long decode out of it. The read bandwidth of this VM moves (about
+    35 or 60 GB/s, with where the host puts its vCPUs, sometimes within one
+    generate), so it is read before and after every full generate, and the
+    roofline fraction is the median over the full generates of each one's step
+    time against the mean of its two readings. The logits of the first decode
+    step come untimed."""
     torch._dynamo.reset()
     compile_kwargs = BACKENDS[backend]
     threads = torch.get_num_threads()
     _, first = generate(model, ids, 2, compile_kwargs, max_cache_len)
     tokens, _ = generate(model, ids, new_tokens, compile_kwargs, max_cache_len)
     one = statistics.median(generate(model, ids, 1, compile_kwargs, max_cache_len)[1] for _ in range(repeats))
-    reads, steps = [read_bandwidth_gbs(threads)], []
+    reads, per_token, steps = [read_bandwidth_gbs(threads)], [], []
     for _ in range(repeats):
-        steps.append((generate(model, ids, new_tokens, compile_kwargs, max_cache_len)[1] - one) / (new_tokens - 1))
+        with StepTimer(model, compiled=compile_kwargs is not None) as timer:
+            per_token.append((generate(model, ids, new_tokens, compile_kwargs, max_cache_len)[1] - one) / (new_tokens - 1))
+        steps.append(statistics.median(timer.times))
         reads.append(read_bandwidth_gbs(threads))
     roofline = [step_bytes / ((reads[i] + reads[i + 1]) / 2 * 1e9) / steps[i] for i in range(repeats)]
     two = [generate(model, ids, 2, compile_kwargs, max_cache_len, output_logits=True, return_dict_in_generate=True)
            for _ in range(repeats)]
-    return dict(tokens=tokens, step_s=statistics.median(steps), roofline_frac=statistics.median(roofline),
-                read_gbs=statistics.median(reads),
+    return dict(tokens=tokens, token_s=statistics.median(per_token), step_s=statistics.median(steps),
+                roofline_frac=statistics.median(roofline), read_gbs=statistics.median(reads),
                 first_compile_s=max(first - statistics.median(t for _, t in two), 0.0),
                 step_input=two[0][0].sequences[0, :-1], step_logits=two[0][0].logits[1][0].float())
 
@@ -159,9 +193,11 @@ def run(models, dtypes, new_tokens, repeats, prompt_len=32, max_cache_len=1024):
             for backend, r in results.items():
                 rows.append(dict(
                     model=name, dtype=dtype_name, backend=backend,
-                    tokens_per_s=1.0 / r["step_s"],
+                    tokens_per_s=1.0 / r["token_s"],
                     first_compile_s=r["first_compile_s"],
-                    ratio_vs_inductor=results["inductor"]["step_s"] / r["step_s"],
+                    ratio_vs_inductor=results["inductor"]["token_s"] / r["token_s"],
+                    step_ms=r["step_s"] * 1e3,
+                    generate_overhead_ms=(r["token_s"] - r["step_s"]) * 1e3,
                     roofline_frac=r["roofline_frac"],
                     tokens_equal=bool(torch.equal(r["tokens"], ref)),
                     matching_tokens=matching_tokens(r["tokens"], ref, prompt_len),
@@ -179,7 +215,8 @@ def run(models, dtypes, new_tokens, repeats, prompt_len=32, max_cache_len=1024):
 def _row_line(r):
     err = r["logits_error_vs_fp32"]
     return (f"| {r['model']} | {r['dtype']} | {r['backend']} | {r['tokens_per_s']:.2f} | {r['first_compile_s']:.1f} "
-            f"| {r['ratio_vs_inductor']:.2f} | {r['roofline_frac']:.2f} | {r['read_gbs']:.1f} "
+            f"| {r['ratio_vs_inductor']:.2f} | {r['step_ms']:.1f} | {r['generate_overhead_ms']:.1f} "
+            f"| {r['roofline_frac']:.2f} | {r['read_gbs']:.1f} "
             f"| {'yes' if r['tokens_equal'] else 'NO'} ({r['matching_tokens']}) "
             f"| {'-' if err is None else f'{err:.1e}'} |")
 
@@ -188,9 +225,9 @@ def markdown(result) -> str:
     spin = ", ".join(f"{k}={v}" for k, v in result["openmp_spin"].items()) or "OpenMP's default spinning"
     lines = [f"{result['threads']} threads, {result['new_tokens']} new tokens, median of {result['repeats']}, {spin}",
              "",
-             "| model | dtype | backend | decode tok/s | first compile s | × inductor | roofline | read GB/s "
-             "| tokens = eager (leading equal) | logits error vs fp32 |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| model | dtype | backend | decode tok/s | first compile s | × inductor | step ms | generate() ms "
+             "| roofline | read GB/s | tokens = eager (leading equal) | logits error vs fp32 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     return "\n".join(lines + [_row_line(r) for r in result["rows"]])
 
 
