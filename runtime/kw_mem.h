@@ -9,6 +9,15 @@
 void *kw_mem_alloc(size_t bytes); /* zero-filled; NULL on failure */
 void kw_mem_free(void *p, size_t bytes);
 
+/* A large block in three steps, for memory faulted in on another thread while
+ * this one works: reserve (>= 2 MiB, zero-filled, nothing faulted in yet),
+ * populate any part of it (from any thread; on some VMs fresh memory faults in
+ * at under 1 GB/s), and trim to its first `keep` bytes (at least 2 MiB are
+ * kept), after which it is freed as kw_mem_free(p, keep). */
+void *kw_mem_reserve(size_t bytes);
+void kw_mem_populate(void *p, size_t bytes);
+void kw_mem_trim(void *p, size_t bytes, size_t keep);
+
 /* Asks the kernel to back the 2 MiB pages inside [p, p + bytes) of someone
  * else's memory (a model's weights) with huge pages now: MADV_HUGEPAGE, then
  * MADV_COLLAPSE (Linux 6.1+). Contents are unchanged; where the kernel says no,

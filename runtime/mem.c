@@ -11,11 +11,18 @@
 
 #define KW__HUGE ((size_t)2 << 20)
 
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23 /* Linux 5.14; older kernels refuse it and pages fault on first touch */
+#endif
+#ifndef MADV_COLLAPSE
+#define MADV_COLLAPSE 25
+#endif
+
 static size_t round_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
 
 /* An anonymous mapping placed on a 2 MiB boundary (so the kernel can back it
  * with huge pages from its first byte): map one huge page extra, trim the ends. */
-static void *map_huge(size_t bytes) {
+void *kw_mem_reserve(size_t bytes) {
     const size_t len = round_up(bytes, KW__HUGE);
     char *raw = mmap(NULL, len + KW__HUGE, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (raw == MAP_FAILED) return NULL;
@@ -26,8 +33,21 @@ static void *map_huge(size_t bytes) {
     return p;
 }
 
+/* Faulted in by one thread, in the kernel: two threads first touching one
+ * 2 MiB page wait on each other (measured: 0.6-3.7 GB/s against 11 GB/s). */
+void kw_mem_populate(void *p, size_t bytes) { madvise(p, bytes, MADV_POPULATE_WRITE); }
+
+void kw_mem_trim(void *p, size_t bytes, size_t keep) {
+    const size_t len = round_up(bytes, KW__HUGE), kept = round_up(keep > KW__HUGE ? keep : KW__HUGE, KW__HUGE);
+    if (kept < len) munmap((char *)p + kept, len - kept);
+}
+
 void *kw_mem_alloc(size_t bytes) {
-    if (bytes >= KW__HUGE) return map_huge(bytes);
+    if (bytes >= KW__HUGE) {
+        void *p = kw_mem_reserve(bytes);
+        if (p) kw_mem_populate(p, round_up(bytes, KW__HUGE));
+        return p;
+    }
     const size_t len = round_up(bytes ? bytes : 1, 64);
     void *p = aligned_alloc(64, len);
     if (p) memset(p, 0, len);
@@ -41,10 +61,6 @@ void kw_mem_free(void *p, size_t bytes) {
     else
         free(p);
 }
-
-#ifndef MADV_COLLAPSE
-#define MADV_COLLAPSE 25
-#endif
 
 size_t kw_mem_prefer_huge(void *p, size_t bytes) {
     const uintptr_t start = round_up((uintptr_t)p, KW__HUGE), end = ((uintptr_t)p + bytes) / KW__HUGE * KW__HUGE;

@@ -11,7 +11,7 @@ from kwker.aten_graph import has_static_shapes, trace_to_aten
 from kwker.decode import classify_decode_step, compile_decode_step
 from kwker.lower import NotLowerable
 from kwker.options import KwkerOptions, parse_options
-from kwker.rewrite import rewrite_language_model
+from kwker.rewrite import WeightArena, copied_weight_bytes, rewrite_language_model
 from kwker.routing import graph_devices, route_graph
 from kwker.threads import warn_once_if_openmp_spins
 
@@ -37,13 +37,15 @@ def kwker_backend(gm: torch.fx.GraphModule, example_inputs, *, mode=None, option
 def compile_cpu_inference(gm, example_inputs, opts: KwkerOptions):
     """The rewritten ATen graph: replayed when it is a decode step, else run
     eagerly (inner="eager") or compiled by Inductor."""
+    arena = WeightArena(copied_weight_bytes(gm, example_inputs))  # faults in while the graph is traced
     aten_gm = trace_to_aten(gm, example_inputs)
     params = {
         n.name: t
         for n, t in zip((n for n in aten_gm.graph.nodes if n.op == "placeholder"), example_inputs)
         if isinstance(t, torch.nn.Parameter)
     }
-    rewrites = rewrite_language_model(aten_gm, params, glue=opts.glue)
+    rewrites = rewrite_language_model(aten_gm, params, glue=opts.glue, arena=arena)
+    arena.close()
     detail = {"rewrites": {k: v for k, v in rewrites.items() if v}}
     not_decode = classify_decode_step(aten_gm, example_inputs)
     if not_decode is None and opts.inner != "inductor":

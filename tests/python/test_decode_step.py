@@ -100,6 +100,33 @@ def test_weight_memory_is_zeroed_writable_and_lives_as_long_as_its_tensor():
         _C.weight_memory(-1)
 
 
+def test_a_weight_arena_cuts_zeroed_copies_while_faulting_in_and_keeps_them_after_close():
+    from kwker.rewrite.linear import WeightArena
+
+    arena = WeightArena(100 << 20)  # over the size a thread faults in
+    a = arena.empty((1000, 3), torch.float32)
+    b = arena.empty((4000, 4096), torch.bfloat16)  # 32 MiB
+    assert a.data_ptr() % 64 == 0 and b.data_ptr() % 64 == 0 and b.data_ptr() >= a.data_ptr() + a.nbytes
+    assert not a.any() and not b.any()
+    b.fill_(2.0)
+    too_big = arena.empty((70 << 20,), torch.uint8)  # past the reservation: memory of its own
+    assert too_big.shape == (70 << 20,) and not too_big.any()
+    arena.close()  # the tail goes back; a and b stay
+    del arena
+    import gc
+
+    gc.collect()
+    assert float(b.float().sum()) == 2.0 * b.numel()
+    a.fill_(1.0)
+    assert float(a.sum()) == a.numel()
+    with pytest.raises(ValueError):
+        _C.weight_reserve(-1)
+    small = _C.weight_reserve(1 << 20)  # below a thread's worth: faulted in at once
+    small.trim(0)  # nothing to return
+    with pytest.raises(ValueError, match="keep"):
+        small.trim(10 << 20)
+
+
 def test_moving_a_weight_onto_huge_pages_keeps_its_values():
     w = torch.randn(4096, 1024)
     before = w.clone()

@@ -51,6 +51,9 @@ PyObject *kw__memory_new(PyObject *owner, void *ptr, Py_ssize_t len, kw_plan *pl
 /* The same over len fresh zeroed bytes from kw_mem_alloc (2 MiB pages where the
  * kernel gives them), freed when the object dies. */
 PyObject *kw__memory_alloc(Py_ssize_t len);
+/* The same, except that from 32 MiB on a thread of its own faults the memory
+ * in while the caller goes on; the object's trim(keep) returns the tail. */
+PyObject *kw__memory_reserve(Py_ssize_t len);
 extern PyTypeObject kw__MemoryType;
 
 /* ---- the program as Python sees it ------------------------------------------------ */

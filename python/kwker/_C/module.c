@@ -72,14 +72,20 @@ static PyObject *bf16_exact(PyObject *self, PyObject *arg) {
     return PyBool_FromLong(exact);
 }
 
-static PyObject *weight_memory(PyObject *self, PyObject *arg) {
+static Py_ssize_t memory_size(PyObject *arg) {
     const Py_ssize_t n = PyLong_AsSsize_t(arg);
-    if (n == -1 && PyErr_Occurred()) return NULL;
-    if (n < 0) {
-        PyErr_SetString(PyExc_ValueError, "weight_memory: the size must be >= 0");
-        return NULL;
-    }
-    return kw__memory_alloc(n);
+    if (n < 0 && !PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "the size must be >= 0");
+    return n;
+}
+
+static PyObject *weight_memory(PyObject *self, PyObject *arg) {
+    const Py_ssize_t n = memory_size(arg);
+    return n < 0 ? NULL : kw__memory_alloc(n);
+}
+
+static PyObject *weight_reserve(PyObject *self, PyObject *arg) {
+    const Py_ssize_t n = memory_size(arg);
+    return n < 0 ? NULL : kw__memory_reserve(n);
 }
 
 static PyObject *prefer_huge_pages(PyObject *self, PyObject *arg) {
@@ -105,6 +111,9 @@ static PyMethodDef module_methods[] = {
     {"weight_memory", weight_memory, METH_O,
      "weight_memory(nbytes) -> buffer: zeroed, 64-byte aligned memory for torch.frombuffer, on 2 MiB\n"
      "pages where the kernel gives them (weights streamed at 60 GB/s through 4 KiB pages miss the TLB)."},
+    {"weight_reserve", weight_reserve, METH_O,
+     "weight_reserve(nbytes) -> buffer: weight_memory's kind, faulted in by a thread of its own while the\n"
+     "caller goes on (fresh memory can fault in at under 1 GB/s); .trim(keep) returns the unused tail."},
     {"prefer_huge_pages", prefer_huge_pages, METH_O,
      "prefer_huge_pages(t) -> bytes: backs the whole 2 MiB pages of t's memory with huge pages now\n"
      "(madvise MADV_HUGEPAGE + MADV_COLLAPSE; contents unchanged); 0 where the kernel refuses."},

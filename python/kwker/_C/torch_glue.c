@@ -2,7 +2,9 @@
  * through their Python attributes, and tensors made over kwker's memory with
  * torch.frombuffer on a small buffer-protocol object that keeps the memory's
  * owner alive. */
+#include <pthread.h>
 #include <stdarg.h>
+#include <stdatomic.h>
 
 #include "kw_binding.h"
 #include "kw_mem.h"
@@ -166,7 +168,10 @@ typedef struct MemoryObject {
     void *ptr;
     Py_ssize_t len;
     kw_plan *plan;
-    int owns_ptr; /* from kw_mem_alloc: freed with the object */
+    int owns_ptr;   /* from kw_mem_alloc or kw_mem_reserve: freed with the object */
+    int populating; /* a thread faults it in (kw__memory_reserve) until done or stopped */
+    atomic_int stop;
+    pthread_t populater;
 } MemoryObject;
 
 PyObject *kw__memory_new(PyObject *owner, void *ptr, Py_ssize_t len, kw_plan *plan) {
@@ -177,6 +182,8 @@ PyObject *kw__memory_new(PyObject *owner, void *ptr, Py_ssize_t len, kw_plan *pl
     m->len = len;
     m->plan = plan;
     m->owns_ptr = 0;
+    m->populating = 0;
+    atomic_init(&m->stop, 0);
     return (PyObject *)m;
 }
 
@@ -192,8 +199,69 @@ PyObject *kw__memory_alloc(Py_ssize_t len) {
     return (PyObject *)m;
 }
 
+/* In steps of two huge pages: each holds the process's memory-map lock, which
+ * the tracing thread's own allocations wait on; a trim or the object's end
+ * also stops it between steps. */
+#define KW__POPULATE_STEP ((size_t)4 << 20)
+#define KW__POPULATE_MIN ((size_t)32 << 20) /* smaller blocks fault in at once */
+
+static void *populate_main(void *arg) {
+    MemoryObject *m = arg;
+    for (size_t at = 0; at < (size_t)m->len && !atomic_load(&m->stop); at += KW__POPULATE_STEP) {
+        const size_t left = (size_t)m->len - at;
+        kw_mem_populate((char *)m->ptr + at, left < KW__POPULATE_STEP ? left : KW__POPULATE_STEP);
+    }
+    return NULL;
+}
+
+PyObject *kw__memory_reserve(Py_ssize_t len) {
+    if ((size_t)len < KW__POPULATE_MIN) return kw__memory_alloc(len);
+    void *ptr = kw_mem_reserve((size_t)len);
+    if (!ptr) return PyErr_NoMemory();
+    MemoryObject *m = (MemoryObject *)kw__memory_new(NULL, ptr, len, NULL);
+    if (!m) {
+        kw_mem_free(ptr, (size_t)len);
+        return NULL;
+    }
+    m->owns_ptr = 1;
+    /* Without the thread the pages fault in on first touch instead. */
+    m->populating = pthread_create(&m->populater, NULL, populate_main, m) == 0;
+    return (PyObject *)m;
+}
+
+static void stop_populating(MemoryObject *m) {
+    if (!m->populating) return;
+    atomic_store(&m->stop, 1);
+    Py_BEGIN_ALLOW_THREADS
+    pthread_join(m->populater, NULL);
+    Py_END_ALLOW_THREADS
+    m->populating = 0;
+}
+
+static PyObject *memory_trim(PyObject *self, PyObject *arg) {
+    MemoryObject *m = (MemoryObject *)self;
+    const Py_ssize_t keep = PyLong_AsSsize_t(arg);
+    if (keep == -1 && PyErr_Occurred()) return NULL;
+    if (keep < 0 || keep > m->len) return PyErr_Format(PyExc_ValueError, "trim: keep must be in [0, %zd]", m->len);
+    const Py_ssize_t least = (Py_ssize_t)2 << 20; /* kw_mem_trim keeps at least that; smaller blocks are not mapped */
+    stop_populating(m);
+    if (m->owns_ptr && m->len > least) {
+        kw_mem_trim(m->ptr, (size_t)m->len, (size_t)keep);
+        m->len = keep > least ? keep : least;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef memory_methods[] = {
+    {"trim", memory_trim, METH_O,
+     "trim(keep): stops faulting in and returns all but the first keep bytes (at least 2 MiB; smaller\n"
+     "blocks stay whole) to the system; only tensors over the first keep bytes may exist."},
+    {NULL, NULL, 0, NULL},
+};
+
 static void memory_dealloc(PyObject *self) {
     MemoryObject *m = (MemoryObject *)self;
+    stop_populating(m);
     Py_XDECREF(m->owner);
     kw_plan_destroy(m->plan);
     if (m->owns_ptr) kw_mem_free(m->ptr, (size_t)m->len);
@@ -213,6 +281,7 @@ PyTypeObject kw__MemoryType = {
     .tp_basicsize = sizeof(MemoryObject),
     .tp_dealloc = memory_dealloc,
     .tp_as_buffer = &memory_as_buffer,
+    .tp_methods = memory_methods,
     .tp_flags = Py_TPFLAGS_DEFAULT,
 };
 

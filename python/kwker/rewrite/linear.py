@@ -8,6 +8,7 @@ become one linear_n over their weights stored back to back.
 
 import math
 import operator
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -48,10 +49,52 @@ def weight_empty(shape, dtype: torch.dtype) -> torch.Tensor:
     return torch.frombuffer(_C.weight_memory(nbytes), dtype=dtype).view(shape)
 
 
-def pack_weights(weights: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+class WeightArena:
+    """The memory of the weights kwker copies for one graph, reserved before the
+    graph is traced to ATen and faulted in meanwhile by a thread of _C's: fresh
+    memory faulted in at 0.5-1 GB/s on the VMs measured, about 1.5 s of a first
+    compile for SmolLM2-360M's 724 MB of copies, now on the otherwise idle
+    core. Copies are cut from it in order; close() returns the unused tail."""
+
+    def __init__(self, nbytes: int):
+        self.memory = _C.weight_reserve(nbytes) if nbytes else None
+        self.capacity, self.used = nbytes, 0
+
+    def empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        count = math.prod(shape)
+        start = -(-self.used // 64) * 64
+        end = start + count * dtype.itemsize
+        if self.memory is None or count == 0 or end > self.capacity:
+            return weight_empty(shape, dtype)
+        self.used = end
+        return torch.frombuffer(self.memory, dtype=dtype, count=count, offset=start).view(shape)
+
+    def close(self) -> None:
+        if self.memory is not None:
+            self.memory.trim(self.used)
+
+
+def copied_weight_bytes(gm: torch.fx.GraphModule, example_inputs) -> int:
+    """At most what rewrite_linears will copy, read off Dynamo's graph: every
+    float32 linear weight as bfloat16 (copied when exactly bf16-valued) and the
+    other weights of linears that share an input (stacked)."""
+    inputs = dict(zip((n for n in gm.graph.nodes if n.op == "placeholder"), example_inputs))
+    linears = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is torch._C._nn.linear
+               and len(n.args) > 1 and isinstance(inputs.get(n.args[1]), torch.Tensor)]
+    sharing = Counter(n.args[0] for n in linears)
+    copied = {}
+    for n in linears:
+        w = inputs[n.args[1]]
+        if w.dtype == torch.float32 or sharing[n.args[0]] > 1:
+            copied[id(w)] = w.numel() * 2 + 64 if w.dtype == torch.float32 else w.nbytes + 64
+    return sum(copied.values())
+
+
+def pack_weights(weights: list[torch.Tensor], dtype: torch.dtype, arena: WeightArena | None = None) -> torch.Tensor:
     """The bytes kwker reads for these weights (dtype: pack_weights_dtype's),
     stacked by rows, converted while copied: one pass, no intermediate copy."""
-    packed = weight_empty((sum(w.shape[0] for w in weights), *weights[0].shape[1:]), dtype)
+    shape = (sum(w.shape[0] for w in weights), *weights[0].shape[1:])
+    packed = arena.empty(shape, dtype) if arena else weight_empty(shape, dtype)
     row = 0
     for w in weights:
         packed[row:row + w.shape[0]].copy_(w.detach())
@@ -59,8 +102,10 @@ def pack_weights(weights: list[torch.Tensor], dtype: torch.dtype) -> torch.Tenso
     return packed
 
 
-def rewrite_linears(gm: torch.fx.GraphModule, params: dict[str, torch.Tensor], fuse: bool = True) -> int:
-    """params: placeholder name -> the real parameter tensor."""
+def rewrite_linears(gm: torch.fx.GraphModule, params: dict[str, torch.Tensor], fuse: bool = True,
+                    arena: WeightArena | None = None) -> int:
+    """params: placeholder name -> the real parameter tensor; arena: where the
+    copies go (else memory of their own)."""
     linears = [_match_linear(n, params) for n in gm.graph.nodes]
     linears = [m for m in linears if m]
     groups = _group_by_input(linears) if fuse else [[m] for m in linears]
@@ -70,7 +115,7 @@ def rewrite_linears(gm: torch.fx.GraphModule, params: dict[str, torch.Tensor], f
         if len(group) == 1 and dtype == val(group[0].weight).dtype:
             _rewrite_single_as_stored(gm.graph, group[0])
         else:
-            packed.append(_rewrite_group(gm, group, params, dtype))
+            packed.append(_rewrite_group(gm, group, params, dtype, arena))
     return len(linears)
 
 
@@ -124,11 +169,11 @@ def _group_by_input(linears):
     return list(groups.values())
 
 
-def _rewrite_group(gm, group: list[_Linear], params, dtype: torch.dtype) -> PackedWeight:
+def _rewrite_group(gm, group: list[_Linear], params, dtype: torch.dtype, arena) -> PackedWeight:
     graph = gm.graph
     weights = [params[m.weight.name] for m in group]
     attr = f"kwker_weight_{len(gm.meta['kwker_packed'])}"
-    gm.register_buffer(attr, pack_weights(weights, dtype))
+    gm.register_buffer(attr, pack_weights(weights, dtype, arena))
     first = group[0].node
     with graph.inserting_before(first):
         w_node = graph.get_attr(attr)
