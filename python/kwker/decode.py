@@ -81,9 +81,7 @@ def _repack(packed: torch.Tensor, weights: list[torch.Tensor]) -> None:
             "so its compiled bfloat16 copy cannot be refreshed; call torch._dynamo.reset() and compile again"
         )
     fresh = pack_weights(weights, packed.dtype)
-    if packed.dim() == 3:  # K-blocked
-        fresh = block_weight(fresh, packed.shape[2])
-    packed.copy_(fresh)
+    packed.copy_(block_weight(fresh, packed.shape[2]) if packed.dim() == 3 else fresh)  # 3 dims: K-blocked
 
 
 def compile_decode_step(gm: torch.fx.GraphModule, example_inputs):

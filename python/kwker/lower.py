@@ -20,7 +20,6 @@ from torch.fx import Node
 
 from kwker import _C
 from kwker.custom_ops import ops
-from kwker.rewrite.linear import weight_empty
 from kwker.rewrite.match import val
 
 aten = torch.ops.aten
@@ -50,6 +49,7 @@ class _Lowering:
         self.folded: dict[Node, torch.Tensor] = {}  # nodes evaluated at compile time
         self.report = LoweringReport()
         self.block = _weights_to_block(gm)  # get_attr node -> B for weights linear reads K-blocked
+        self.block_scratch = torch.empty(0)
         self.constants_by_attr: dict[str, torch.Tensor] = {}
         self.placeholder_index = {n: i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
         out_node = next(n for n in gm.graph.nodes if n.op == "output")
@@ -77,6 +77,12 @@ class _Lowering:
         else:
             buf = self.b.input(node.name, t.dtype, tuple(t.shape), tuple(t.stride()), arg=index)
         self.buffers[key] = (buf, t.storage_offset())
+
+    def scratch_like(self, t: torch.Tensor) -> torch.Tensor:
+        """Memory for block_weight to go through, one for all (fresh memory faults in slowly)."""
+        if self.block_scratch.numel() < t.numel() or self.block_scratch.dtype != t.dtype:
+            self.block_scratch = torch.empty(t.numel(), dtype=t.dtype)
+        return self.block_scratch
 
     def declare_constant(self, node: Node, tensor: torch.Tensor):
         """tensor may have another layout than node's fake value (a K-blocked weight);
@@ -139,7 +145,7 @@ class _Lowering:
         elif node.op == "get_attr":
             tensor = getattr(self.gm, node.target)
             if node in self.block:
-                tensor = block_weight(tensor, self.block[node])
+                tensor = block_weight(tensor, self.block[node], self.scratch_like(tensor))
             self.declare_constant(node, tensor)
             self.constants_by_attr[node.target] = tensor
         elif node.op == "call_function":
@@ -418,11 +424,14 @@ INPLACE_LOWERINGS = {
 }
 
 
-def block_weight(w: torch.Tensor, block: int) -> torch.Tensor:
-    """[N, K] as [K/B, N, B]: linear then streams B-wide slices of many rows at once."""
+def block_weight(w: torch.Tensor, block: int, scratch: torch.Tensor | None = None) -> torch.Tensor:
+    """kwker's own contiguous [N, K] weight rearranged in its own memory as
+    [K/B, N, B]: linear then streams B-wide slices of many rows at once.
+    scratch: at least w.numel() elements of w's dtype to go through."""
     n, k = w.shape
-    blocked = weight_empty((k // block, n, block), w.dtype)
-    return blocked.copy_(w.view(n, k // block, block).transpose(0, 1))
+    scratch = torch.empty(w.numel(), dtype=w.dtype) if scratch is None else scratch[:w.numel()]
+    scratch.view(k // block, n, block).copy_(w.view(n, k // block, block).transpose(0, 1))
+    return w.view(-1).copy_(scratch).view(k // block, n, block)
 
 
 def _weights_to_block(gm: torch.fx.GraphModule) -> dict[Node, int]:
