@@ -69,16 +69,18 @@ def generate(model, ids, new_tokens, compile_kwargs, max_cache_len, **extra):
 class StepTimer:
     """Times every call generate() makes to the model after the prefill: the
     decode step as the caller sees it (for a compiled backend, Dynamo's compiled
-    callable, its guards included), without generate()'s own Python around it."""
+    callable, its guards included), and when the first one started, so that the
+    decode part of the same generate() is known."""
 
     def __init__(self, model, compiled: bool):
-        self.model, self.compiled, self.times = model, compiled, []
+        self.model, self.compiled, self.times, self.first_start = model, compiled, [], None
 
     def _timed(self, fn):
         def call(*args, **kwargs):
             start = time.perf_counter()
             out = fn(*args, **kwargs)
             self.times.append(time.perf_counter() - start)
+            self.first_start = self.first_start or start
             return out
         return call
 
@@ -94,34 +96,46 @@ class StepTimer:
         del self.model.__dict__["get_compiled_call" if self.compiled else "__call__"]
 
 
+def timed_generate(model, ids, new_tokens, compile_kwargs, max_cache_len):
+    """One full generate(): the decode time per token (from the first decode
+    call to the end: the step and generate()'s own Python around it), the
+    steps' median, and what generate() adds per token (its decode time less
+    the steps', both summed)."""
+    with StepTimer(model, compiled=compile_kwargs is not None) as timer:
+        generate(model, ids, new_tokens, compile_kwargs, max_cache_len)
+        span = time.perf_counter() - timer.first_start
+    n = len(timer.times)
+    assert n == new_tokens - 1, (n, new_tokens)
+    return span / n, statistics.median(timer.times), (span - sum(timer.times)) / n
+
+
 def measure_backend(model, ids, backend, new_tokens, repeats, max_cache_len, step_bytes):
     """The first call, a two-token generate (one decode step: it compiles).
-    Then, per full generate: the decode tokens/s as the difference from a
-    one-token generate (prefill only), and the decode step time as the median
-    of its timed model calls (StepTimer); medians over the generates. The first
-    compile is the first call less a warm two-token generate, which keeps the
-    noise of a long decode out of it. The read bandwidth of this VM moves (about
-    35 or 60 GB/s, with where the host puts its vCPUs, sometimes within one
-    generate), so it is read before and after every full generate, and the
-    roofline fraction is the median over the full generates of each one's step
-    time against the mean of its two readings. The logits of the first decode
-    step come untimed."""
+    Then full generates (timed_generate): decode time per token and the decode
+    step's time, medians over the generates. The first compile is the first
+    call less a warm two-token generate, which keeps the noise of a long decode
+    out of it. The read bandwidth of this VM moves (about 35 or 60 GB/s, with
+    where the host puts its vCPUs, sometimes within one generate), so it is read
+    before and after every full generate, and the roofline fraction is the
+    median over the full generates of each one's median step time against the
+    mean of its two readings. The logits of the first decode step come untimed."""
     torch._dynamo.reset()
     compile_kwargs = BACKENDS[backend]
     threads = torch.get_num_threads()
     _, first = generate(model, ids, 2, compile_kwargs, max_cache_len)
     tokens, _ = generate(model, ids, new_tokens, compile_kwargs, max_cache_len)
-    one = statistics.median(generate(model, ids, 1, compile_kwargs, max_cache_len)[1] for _ in range(repeats))
-    reads, per_token, steps = [read_bandwidth_gbs(threads)], [], []
+    reads, per_token, steps, around = [read_bandwidth_gbs(threads)], [], [], []
     for _ in range(repeats):
-        with StepTimer(model, compiled=compile_kwargs is not None) as timer:
-            per_token.append((generate(model, ids, new_tokens, compile_kwargs, max_cache_len)[1] - one) / (new_tokens - 1))
-        steps.append(statistics.median(timer.times))
+        token_s, step_s, around_s = timed_generate(model, ids, new_tokens, compile_kwargs, max_cache_len)
+        per_token.append(token_s)
+        steps.append(step_s)
+        around.append(around_s)
         reads.append(read_bandwidth_gbs(threads))
     roofline = [step_bytes / ((reads[i] + reads[i + 1]) / 2 * 1e9) / steps[i] for i in range(repeats)]
     two = [generate(model, ids, 2, compile_kwargs, max_cache_len, output_logits=True, return_dict_in_generate=True)
            for _ in range(repeats)]
     return dict(tokens=tokens, token_s=statistics.median(per_token), step_s=statistics.median(steps),
+                around_s=statistics.median(around),
                 roofline_frac=statistics.median(roofline), read_gbs=statistics.median(reads),
                 first_compile_s=max(first - statistics.median(t for _, t in two), 0.0),
                 step_input=two[0][0].sequences[0, :-1], step_logits=two[0][0].logits[1][0].float())
@@ -197,7 +211,7 @@ def run(models, dtypes, new_tokens, repeats, prompt_len=32, max_cache_len=1024):
                     first_compile_s=r["first_compile_s"],
                     ratio_vs_inductor=results["inductor"]["token_s"] / r["token_s"],
                     step_ms=r["step_s"] * 1e3,
-                    generate_overhead_ms=(r["token_s"] - r["step_s"]) * 1e3,
+                    generate_overhead_ms=r["around_s"] * 1e3,
                     roofline_frac=r["roofline_frac"],
                     tokens_equal=bool(torch.equal(r["tokens"], ref)),
                     matching_tokens=matching_tokens(r["tokens"], ref, prompt_len),
