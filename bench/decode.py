@@ -109,6 +109,9 @@ def timed_generate(model, ids, new_tokens, compile_kwargs, max_cache_len):
     return span / n, statistics.median(timer.times), (span - sum(timer.times)) / n
 
 
+STEADY = 0.15  # bandwidth readings before and after a generate this close: no change of state seen
+
+
 def measure_backend(model, ids, backend, new_tokens, repeats, max_cache_len, step_bytes):
     """The first call, a two-token generate (one decode step: it compiles).
     Then full generates (timed_generate): decode time per token and the decode
@@ -116,27 +119,32 @@ def measure_backend(model, ids, backend, new_tokens, repeats, max_cache_len, ste
     call less a warm two-token generate, which keeps the noise of a long decode
     out of it. The read bandwidth of this VM moves (about 35 or 60 GB/s, with
     where the host puts its vCPUs, sometimes within one generate), so it is read
-    before and after every full generate, and the roofline fraction is the
-    median over the full generates of each one's median step time against the
-    mean of its two readings. The logits of the first decode step come untimed."""
+    before and after every full generate; a generate whose two readings differ
+    by more than STEADY saw a change of state and gives no roofline, and more
+    generates run (up to twice `repeats`) until `repeats` steady ones did. The
+    roofline fraction is the median over the steady generates of each one's
+    median step time against the mean of its two readings. The logits of the
+    first decode step come untimed."""
     torch._dynamo.reset()
     compile_kwargs = BACKENDS[backend]
     threads = torch.get_num_threads()
     _, first = generate(model, ids, 2, compile_kwargs, max_cache_len)
     tokens, _ = generate(model, ids, new_tokens, compile_kwargs, max_cache_len)
-    reads, per_token, steps, around = [read_bandwidth_gbs(threads)], [], [], []
-    for _ in range(repeats):
+    reads, per_token, steps, around, roofline = [read_bandwidth_gbs(threads)], [], [], [], []
+    while len(roofline) < repeats and len(steps) < 2 * repeats:
         token_s, step_s, around_s = timed_generate(model, ids, new_tokens, compile_kwargs, max_cache_len)
         per_token.append(token_s)
         steps.append(step_s)
         around.append(around_s)
-        reads.append(read_bandwidth_gbs(threads))
-    roofline = [step_bytes / ((reads[i] + reads[i + 1]) / 2 * 1e9) / steps[i] for i in range(repeats)]
+        before, after = reads[-1], read_bandwidth_gbs(threads)
+        reads.append(after)
+        if abs(before - after) <= STEADY * min(before, after):
+            roofline.append(step_bytes / ((before + after) / 2 * 1e9) / step_s)
     two = [generate(model, ids, 2, compile_kwargs, max_cache_len, output_logits=True, return_dict_in_generate=True)
            for _ in range(repeats)]
     return dict(tokens=tokens, token_s=statistics.median(per_token), step_s=statistics.median(steps),
-                around_s=statistics.median(around),
-                roofline_frac=statistics.median(roofline), read_gbs=statistics.median(reads),
+                around_s=statistics.median(around), generates=len(steps), steady_generates=len(roofline),
+                roofline_frac=statistics.median(roofline) if roofline else None, read_gbs=statistics.median(reads),
                 first_compile_s=max(first - statistics.median(t for _, t in two), 0.0),
                 step_input=two[0][0].sequences[0, :-1], step_logits=two[0][0].logits[1][0].float())
 
@@ -213,6 +221,8 @@ def run(models, dtypes, new_tokens, repeats, prompt_len=32, max_cache_len=1024):
                     step_ms=r["step_s"] * 1e3,
                     generate_overhead_ms=r["around_s"] * 1e3,
                     roofline_frac=r["roofline_frac"],
+                    generates=r["generates"],
+                    steady_generates=r["steady_generates"],
                     tokens_equal=bool(torch.equal(r["tokens"], ref)),
                     matching_tokens=matching_tokens(r["tokens"], ref, prompt_len),
                     logits_error_vs_fp32=logits_error(r, fp32_eager),
@@ -227,10 +237,11 @@ def run(models, dtypes, new_tokens, repeats, prompt_len=32, max_cache_len=1024):
 
 
 def _row_line(r):
-    err = r["logits_error_vs_fp32"]
+    err, roofline = r["logits_error_vs_fp32"], r["roofline_frac"]
     return (f"| {r['model']} | {r['dtype']} | {r['backend']} | {r['tokens_per_s']:.2f} | {r['first_compile_s']:.1f} "
             f"| {r['ratio_vs_inductor']:.2f} | {r['step_ms']:.1f} | {r['generate_overhead_ms']:.1f} "
-            f"| {r['roofline_frac']:.2f} | {r['read_gbs']:.1f} "
+            f"| {'-' if roofline is None else f'{roofline:.2f}'} "
+            f"({r['steady_generates']}/{r['generates']}) | {r['read_gbs']:.1f} "
             f"| {'yes' if r['tokens_equal'] else 'NO'} ({r['matching_tokens']}) "
             f"| {'-' if err is None else f'{err:.1e}'} |")
 
@@ -240,7 +251,7 @@ def markdown(result) -> str:
     lines = [f"{result['threads']} threads, {result['new_tokens']} new tokens, median of {result['repeats']}, {spin}",
              "",
              "| model | dtype | backend | decode tok/s | first compile s | × inductor | step ms | generate() ms "
-             "| roofline | read GB/s | tokens = eager (leading equal) | logits error vs fp32 |",
+             "| roofline (steady/generates) | read GB/s | tokens = eager (leading equal) | logits error vs fp32 |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     return "\n".join(lines + [_row_line(r) for r in result["rows"]])
 
