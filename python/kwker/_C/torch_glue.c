@@ -5,6 +5,7 @@
 #include <pthread.h>
 #include <stdarg.h>
 #include <stdatomic.h>
+#include <unistd.h>
 
 #include "kw_binding.h"
 #include "kw_mem.h"
@@ -172,6 +173,7 @@ typedef struct MemoryObject {
     int populating; /* a thread faults it in (kw__memory_reserve) until done or stopped */
     atomic_int stop;
     pthread_t populater;
+    pid_t populater_pid; /* a forked child has no such thread: it neither stops nor joins it */
 } MemoryObject;
 
 PyObject *kw__memory_new(PyObject *owner, void *ptr, Py_ssize_t len, kw_plan *plan) {
@@ -226,16 +228,18 @@ PyObject *kw__memory_reserve(Py_ssize_t len) {
     m->owns_ptr = 1;
     /* Without the thread the pages fault in on first touch instead. */
     m->populating = pthread_create(&m->populater, NULL, populate_main, m) == 0;
+    m->populater_pid = getpid();
     return (PyObject *)m;
 }
 
 static void stop_populating(MemoryObject *m) {
     if (!m->populating) return;
+    m->populating = 0;
+    if (m->populater_pid != getpid()) return;
     atomic_store(&m->stop, 1);
     Py_BEGIN_ALLOW_THREADS
     pthread_join(m->populater, NULL);
     Py_END_ALLOW_THREADS
-    m->populating = 0;
 }
 
 static PyObject *memory_trim(PyObject *self, PyObject *arg) {
