@@ -147,3 +147,31 @@ def test_every_residual_add_before_a_norm_is_fused_into_it():
     # Two norms per layer and the final one; every one but the first reads a residual sum.
     assert step.rewrites["rms_norm"] == 2 * layers + 1, step.rewrites
     assert step.rewrites["add_rms_norm"] == 2 * layers, step.rewrites
+
+
+class _Attention(torch.nn.Module):
+    """q, k, v share their input; o reads another."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v, self.o = (torch.nn.Linear(32, n, bias=False) for n in (32, 16, 16, 32))
+
+    def forward(self, x):
+        return self.o(self.q(x) + torch.cat([self.k(x), self.v(x)], -1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_weight_reservation_covers_what_the_rewrite_copies(dtype):
+    from kwker.rewrite.linear import copied_weight_bytes
+
+    module = _Attention().to(dtype)
+    seen = []
+
+    def capture(gm, example_inputs):
+        seen.append(copied_weight_bytes(gm, example_inputs))
+        return gm
+
+    torch.compile(module, backend=capture, fullgraph=True)(torch.randn(1, 32, dtype=dtype))
+    qkv = (32 + 16 + 16) * 32 * 2 + 3 * 64  # stacked as bf16 (fp32: if bf16-valued)
+    o = 32 * 32 * 2 + 64  # fp32: a bf16 copy if bf16-valued; bf16: read as stored
+    assert seen == [qkv + o if dtype == torch.float32 else qkv]
