@@ -160,18 +160,25 @@ class _Attention(torch.nn.Module):
         return self.o(self.q(x) + torch.cat([self.k(x), self.v(x)], -1))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, "fp32, not bf16-valued"])
 def test_the_weight_reservation_covers_what_the_rewrite_copies(dtype):
     from kwker.rewrite.linear import copied_weight_bytes
 
-    module = _Attention().to(dtype)
+    module = _Attention()
+    if dtype != "fp32, not bf16-valued":
+        module = module.to(torch.bfloat16).to(dtype)  # bf16-valued
     seen = []
 
     def capture(gm, example_inputs):
         seen.append(copied_weight_bytes(gm, example_inputs))
         return gm
 
-    torch.compile(module, backend=capture, fullgraph=True)(torch.randn(1, 32, dtype=dtype))
-    qkv = (32 + 16 + 16) * 32 * 2 + 3 * 64  # stacked as bf16 (fp32: if bf16-valued)
-    o = 32 * 32 * 2 + 64  # fp32: a bf16 copy if bf16-valued; bf16: read as stored
-    assert seen == [qkv + o if dtype == torch.float32 else qkv]
+    x_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+    torch.compile(module, backend=capture, fullgraph=True)(torch.randn(1, 32, dtype=x_dtype))
+    qkv, o = (32 + 16 + 16) * 32, 32 * 32  # elements; every copy is given 64 bytes of alignment
+    expected = {  # q/k/v are stacked; o gets a copy only as bf16 of a bf16-valued fp32 weight
+        torch.float32: 2 * (qkv + o) + 4 * 64,
+        torch.bfloat16: 2 * qkv + 3 * 64,
+        "fp32, not bf16-valued": 4 * qkv + 3 * 64,
+    }[dtype]
+    assert seen == [expected]
