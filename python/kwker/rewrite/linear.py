@@ -213,5 +213,7 @@ def _stacked_bias(gm, group, params, attr):
 
 
 def _fake_like(template_fake: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
-    """A fake tensor in the graph's fake mode with the real tensor's metadata."""
-    return template_fake.fake_mode.from_tensor(real, static_shapes=True)
+    """A fake tensor in the graph's fake mode with the real tensor's metadata (made
+    fresh: converting the real tensor took 1-4 ms each inside a compile)."""
+    with template_fake.fake_mode:
+        return torch.empty_strided(real.shape, real.stride(), dtype=real.dtype)
