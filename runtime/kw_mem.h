@@ -12,11 +12,12 @@ void kw_mem_free(void *p, size_t bytes);
 /* A large block in three steps, for memory faulted in on another thread while
  * this one works: reserve (>= 2 MiB, zero-filled, nothing faulted in yet),
  * populate any part of it (from any thread; on some VMs fresh memory faults in
- * at under 1 GB/s), and trim to its first `keep` bytes (at least 2 MiB are
- * kept), after which it is freed as kw_mem_free(p, keep). */
+ * at under 1 GB/s), and trim to its first `keep` bytes. kw_mem_trim takes any
+ * block of kw_mem_alloc or kw_mem_reserve (a small one stays whole) and returns
+ * the size to free it with: kw_mem_free(p, returned). */
 void *kw_mem_reserve(size_t bytes);
 void kw_mem_populate(void *p, size_t bytes);
-void kw_mem_trim(void *p, size_t bytes, size_t keep);
+size_t kw_mem_trim(void *p, size_t bytes, size_t keep);
 
 /* Asks the kernel to back the 2 MiB pages inside [p, p + bytes) of someone
  * else's memory (a model's weights) with huge pages now: MADV_HUGEPAGE, then

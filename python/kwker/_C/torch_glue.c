@@ -189,17 +189,19 @@ PyObject *kw__memory_new(PyObject *owner, void *ptr, Py_ssize_t len, kw_plan *pl
     return (PyObject *)m;
 }
 
-PyObject *kw__memory_alloc(Py_ssize_t len) {
-    void *ptr = kw_mem_alloc((size_t)len);
-    if (!ptr) return PyErr_NoMemory();
+/* An object that owns ptr (from kw_mem_alloc or kw_mem_reserve): freed with it. */
+static MemoryObject *owning(void *ptr, Py_ssize_t len) {
+    if (!ptr) return (MemoryObject *)PyErr_NoMemory();
     MemoryObject *m = (MemoryObject *)kw__memory_new(NULL, ptr, len, NULL);
     if (!m) {
         kw_mem_free(ptr, (size_t)len);
         return NULL;
     }
     m->owns_ptr = 1;
-    return (PyObject *)m;
+    return m;
 }
+
+PyObject *kw__memory_alloc(Py_ssize_t len) { return (PyObject *)owning(kw_mem_alloc((size_t)len), len); }
 
 /* In steps of two huge pages: each holds the process's memory-map lock, which
  * the tracing thread's own allocations wait on; a trim or the object's end
@@ -218,14 +220,8 @@ static void *populate_main(void *arg) {
 
 PyObject *kw__memory_reserve(Py_ssize_t len) {
     if ((size_t)len < KW__POPULATE_MIN) return kw__memory_alloc(len);
-    void *ptr = kw_mem_reserve((size_t)len);
-    if (!ptr) return PyErr_NoMemory();
-    MemoryObject *m = (MemoryObject *)kw__memory_new(NULL, ptr, len, NULL);
-    if (!m) {
-        kw_mem_free(ptr, (size_t)len);
-        return NULL;
-    }
-    m->owns_ptr = 1;
+    MemoryObject *m = owning(kw_mem_reserve((size_t)len), len);
+    if (!m) return NULL;
     /* Without the thread the pages fault in on first touch instead. */
     m->populating = pthread_create(&m->populater, NULL, populate_main, m) == 0;
     m->populater_pid = getpid();
@@ -247,12 +243,8 @@ static PyObject *memory_trim(PyObject *self, PyObject *arg) {
     const Py_ssize_t keep = PyLong_AsSsize_t(arg);
     if (keep == -1 && PyErr_Occurred()) return NULL;
     if (keep < 0 || keep > m->len) return PyErr_Format(PyExc_ValueError, "trim: keep must be in [0, %zd]", m->len);
-    const Py_ssize_t least = (Py_ssize_t)2 << 20; /* kw_mem_trim keeps at least that; smaller blocks are not mapped */
     stop_populating(m);
-    if (m->owns_ptr && m->len > least) {
-        kw_mem_trim(m->ptr, (size_t)m->len, (size_t)keep);
-        m->len = keep > least ? keep : least;
-    }
+    if (m->owns_ptr) m->len = (Py_ssize_t)kw_mem_trim(m->ptr, (size_t)m->len, (size_t)keep);
     Py_RETURN_NONE;
 }
 
