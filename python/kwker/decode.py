@@ -32,7 +32,6 @@ def static_arg_indices(gm: torch.fx.GraphModule, example_inputs) -> set[int]:
     }
 
 
-
 def classify_decode_step(gm: torch.fx.GraphModule, example_inputs) -> str | None:
     """None if gm is a decode step, else why it is not."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -59,8 +58,9 @@ def _mutates_first_arg(node) -> bool:
 
 
 class Repacker:
-    """What the plan calls when a weight that kwker packed (a bf16 copy, or
-    q/k/v stacked) changed in place: packs again each copy whose sources moved."""
+    """What the plan calls when a parameter that kwker packed (a bf16 copy, or
+    q/k/v's weights or biases stacked) changed in place: packs again each copy
+    whose sources moved."""
 
     def __init__(self, groups: list[tuple[torch.Tensor, list[int], list[int]]]):
         self.groups = groups  # (packed copy, its sources' argument indices, their versions)
@@ -75,7 +75,7 @@ class Repacker:
 
 def _repack(packed: torch.Tensor, weights: list[torch.Tensor]) -> None:
     """Packs again into the plan's own tensor (same address, same layout)."""
-    if pack_weights_dtype(weights) != packed.dtype:
+    if packed.dtype == torch.bfloat16 and pack_weights_dtype(weights) != torch.bfloat16:
         raise RuntimeError(
             "kwker: a weight changed in place and is no longer exactly representable in bfloat16, "
             "so its compiled bfloat16 copy cannot be refreshed; call torch._dynamo.reset() and compile again"

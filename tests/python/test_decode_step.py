@@ -46,6 +46,28 @@ def test_a_weight_changed_in_place_is_packed_again_before_the_next_step():
     assert len(decode_steps(summary.graphs())) == 1, kwker.report()
 
 
+def test_a_stacked_bias_changed_in_place_is_packed_again_before_the_next_step():
+    model = llama(attention_bias=True)  # q/k/v's biases are stacked with their weights
+    config = kwker.compile_config()
+
+    def logits(compile_config=None):  # tokens alone hardly depend on these biases in this small model
+        out = model.generate(PROMPT, max_new_tokens=16, do_sample=False, cache_implementation="static",
+                             compile_config=compile_config, output_logits=True, return_dict_in_generate=True)
+        return out.sequences, torch.stack(out.logits)
+
+    def assert_same(a, b):
+        assert torch.equal(a[0], b[0])
+        torch.testing.assert_close(a[1], b[1], rtol=1e-4, atol=1e-4)
+
+    assert_same(logits(config), logits())
+    with torch.no_grad():  # (transformers initialises biases to zero)
+        torch.manual_seed(1)
+        model.model.layers[0].self_attn.v_proj.bias.normal_(0.0, 2.0)
+        model.model.layers[1].self_attn.q_proj.bias.normal_(0.0, 2.0)
+    assert_same(logits(config), logits())
+    assert len(decode_steps(summary.graphs())) == 1, kwker.report()
+
+
 def test_a_weight_that_is_no_longer_bf16_exact_raises_instead_of_running_stale():
     model = llama()
     config = kwker.compile_config()
@@ -152,19 +174,21 @@ def test_every_residual_add_before_a_norm_is_fused_into_it():
 class _Attention(torch.nn.Module):
     """q, k, v share their input; o reads another."""
 
-    def __init__(self):
+    def __init__(self, bias=False):
         super().__init__()
-        self.q, self.k, self.v, self.o = (torch.nn.Linear(32, n, bias=False) for n in (32, 16, 16, 32))
+        self.q, self.k, self.v = (torch.nn.Linear(32, n, bias=bias) for n in (32, 16, 16))
+        self.o = torch.nn.Linear(32, 32, bias=False)
 
     def forward(self, x):
         return self.o(self.q(x) + torch.cat([self.k(x), self.v(x)], -1))
 
 
+@pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, "fp32, not bf16-valued"])
-def test_the_weight_reservation_covers_what_the_rewrite_copies(dtype):
+def test_the_weight_reservation_covers_what_the_rewrite_copies(dtype, bias):
     from kwker.rewrite.linear import copied_weight_bytes
 
-    module = _Attention()
+    module = _Attention(bias)
     if dtype != "fp32, not bf16-valued":
         module = module.to(torch.bfloat16).to(dtype)  # bf16-valued
     seen = []
@@ -181,4 +205,6 @@ def test_the_weight_reservation_covers_what_the_rewrite_copies(dtype):
         torch.bfloat16: 2 * qkv + 3 * 64,
         "fp32, not bf16-valued": 4 * qkv + 3 * 64,
     }[dtype]
+    if bias:  # q/k/v's biases are stacked too, in their own dtype
+        expected += (32 + 16 + 16) * (2 if dtype == torch.bfloat16 else 4) + 3 * 64
     assert seen == [expected]

@@ -20,9 +20,9 @@ from kwker.rewrite.match import aten, is_call, val
 
 @dataclass
 class PackedWeight:
-    """A weight kwker made from the model's own: which placeholders it came from
-    and their version counters when it was made, so a weight changed in place is
-    re-packed before the next call."""
+    """A weight (or a stacked bias) kwker made from the model's own: which
+    placeholders it came from and their version counters when it was made, so a
+    parameter changed in place is packed again before the next call."""
 
     attr: str
     sources: list[str]  # placeholder names, in the order they are stacked
@@ -76,10 +76,10 @@ class WeightArena:
 
 def copied_weight_bytes(gm: torch.fx.GraphModule, example_inputs) -> int:
     """What rewrite_linears will copy, read off Dynamo's graph: the bf16-valued
-    float32 linear weights as bfloat16, and the other weights of linears that
-    share an input (stacked). The exactness scan runs again in the rewrite (on
-    the ATen graph); at ~18 GB/s it costs less than reserving memory for a
-    float32 model's weights that are never copied."""
+    float32 linear weights as bfloat16, and the other weights and the biases of
+    linears that share an input (stacked). The exactness scan runs again in the
+    rewrite (on the ATen graph); at ~18 GB/s it costs less than reserving memory
+    for a float32 model's weights that are never copied."""
     inputs = dict(zip((n for n in gm.graph.nodes if n.op == "placeholder"), example_inputs))
     linears = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is torch._C._nn.linear
                and len(n.args) > 1 and isinstance(inputs.get(n.args[1]), torch.Tensor)]
@@ -87,10 +87,13 @@ def copied_weight_bytes(gm: torch.fx.GraphModule, example_inputs) -> int:
     copied = {}
     for n in linears:
         w = inputs[n.args[1]]
+        bias = inputs.get(n.args[2]) if len(n.args) > 2 else None  # Dynamo passes nn.Linear's bias positionally
         if is_bf16_valued(w):
             copied[id(w)] = w.numel() * 2 + 64
         elif sharing[n.args[0]] > 1:
             copied[id(w)] = w.nbytes + 64
+        if sharing[n.args[0]] > 1 and isinstance(bias, torch.Tensor):
+            copied[id(bias)] = bias.nbytes + 64
     return sum(copied.values())
 
 
@@ -109,17 +112,18 @@ def pack_weights(weights: list[torch.Tensor], dtype: torch.dtype, arena: WeightA
 def rewrite_linears(gm: torch.fx.GraphModule, params: dict[str, torch.Tensor], fuse: bool = True,
                     arena: WeightArena | None = None) -> int:
     """params: placeholder name -> the real parameter tensor; arena: where the
-    copies go (else memory of their own)."""
+    copies go (else memory of their own). Every copy made is listed in
+    gm.meta["kwker_packed"]."""
     linears = [_match_linear(n, params) for n in gm.graph.nodes]
     linears = [m for m in linears if m]
     groups = _group_by_input(linears) if fuse else [[m] for m in linears]
-    packed = gm.meta.setdefault("kwker_packed", [])
+    gm.meta.setdefault("kwker_packed", [])
     for group in groups:
         dtype = pack_weights_dtype([params[m.weight.name] for m in group])
         if len(group) == 1 and dtype == val(group[0].weight).dtype:
             _rewrite_single_as_stored(gm.graph, group[0])
         else:
-            packed.append(_rewrite_group(gm, group, params, dtype, arena))
+            _rewrite_group(gm, group, params, dtype, arena)
     return len(linears)
 
 
@@ -173,16 +177,14 @@ def _group_by_input(linears):
     return list(groups.values())
 
 
-def _rewrite_group(gm, group: list[_Linear], params, dtype: torch.dtype, arena) -> PackedWeight:
+def _rewrite_group(gm, group: list[_Linear], params, dtype: torch.dtype, arena) -> None:
     graph = gm.graph
-    weights = [params[m.weight.name] for m in group]
-    attr = f"kwker_weight_{len(gm.meta['kwker_packed'])}"
-    gm.register_buffer(attr, pack_weights(weights, dtype, arena))
     first = group[0].node
     with graph.inserting_before(first):
-        w_node = graph.get_attr(attr)
-        w_node.meta["val"] = _fake_like(val(group[0].weight), getattr(gm, attr))
-        bias = _stacked_bias(gm, group, params, attr)
+        w_node = _packed_node(gm, [m.weight for m in group], params, dtype, arena)
+        bias = group[0].bias
+        if bias is not None and len(group) > 1:
+            bias = _packed_node(gm, [m.bias for m in group], params, val(bias).dtype, arena)
         if len(group) == 1:
             new = graph.call_function(ops.linear.default, (group[0].x, w_node, bias))
             new.meta["val"] = val(first)
@@ -196,19 +198,17 @@ def _rewrite_group(gm, group: list[_Linear], params, dtype: torch.dtype, arena) 
                     item = graph.call_function(operator.getitem, (new, i))
                 item.meta["val"] = val(m.node)
                 m.node.replace_all_uses_with(item)
-    sources = [m.weight.name for m in group]
-    return PackedWeight(attr, sources, [params[s]._version for s in sources])
 
 
-def _stacked_bias(gm, group, params, attr):
-    if group[0].bias is None:
-        return None
-    if len(group) == 1:
-        return group[0].bias
-    name = f"{attr}_bias"
-    gm.register_buffer(name, torch.cat([params[m.bias.name].detach() for m in group]))
-    node = gm.graph.get_attr(name)
-    node.meta["val"] = _fake_like(val(group[0].bias), getattr(gm, name))
+def _packed_node(gm, sources: list[torch.fx.Node], params, dtype: torch.dtype, arena) -> torch.fx.Node:
+    """A get_attr of the sources' parameters packed (pack_weights), recorded in
+    gm.meta["kwker_packed"] to be packed again when one changes in place."""
+    packed = gm.meta["kwker_packed"]
+    attr = f"kwker_weight_{len(packed)}"
+    gm.register_buffer(attr, pack_weights([params[s.name] for s in sources], dtype, arena))
+    node = gm.graph.get_attr(attr)
+    node.meta["val"] = _fake_like(val(sources[0]), getattr(gm, attr))
+    packed.append(PackedWeight(attr, [s.name for s in sources], [params[s.name]._version for s in sources]))
     return node
 
 
