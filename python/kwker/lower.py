@@ -186,7 +186,6 @@ class _Lowering:
         self.report.fallback_ops.append(str(node.target))
 
     def run(self):
-        self.placeholder_index = {n: i for i, n in enumerate(n for n in self.gm.graph.nodes if n.op == "placeholder")}
         for node in self.gm.graph.nodes:
             self.lower_node(node)
         for out in self.outputs:
