@@ -44,6 +44,8 @@ from kwker.threads import SPIN_VARIABLES
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import ops as ops_bench  # noqa: E402  (bench/ops.py builds the C benchmark)
 
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
 BACKENDS = {
     "eager": None,
     "inductor": dict(backend="inductor", mode=None),
@@ -168,15 +170,13 @@ def bytes_per_step(model, backend, avg_len):
     """What a decode step must read: every linear weight (kwker reads the bf16
     copy of a bf16-valued float32 weight) and the valid part of the KV cache."""
     kwker_packs = backend.startswith("kwker")
-    weights = 0
-    for name, p in model.named_parameters():
-        if p.dim() != 2 or "embed_tokens" in name:
-            continue
-        size = 2 if kwker_packs and (p.dtype == torch.bfloat16 or is_bf16_valued(p)) else p.element_size()
-        weights += p.numel() * size
+
+    def read_bytes(w):
+        return w.numel() * (2 if kwker_packs and (w.dtype == torch.bfloat16 or is_bf16_valued(w)) else w.element_size())
+
+    weights = sum(read_bytes(p) for name, p in model.named_parameters() if p.dim() == 2 and "embed_tokens" not in name)
     if model.get_output_embeddings().weight is model.get_input_embeddings().weight:
-        w = model.get_output_embeddings().weight
-        weights += w.numel() * (2 if kwker_packs and (w.dtype == torch.bfloat16 or is_bf16_valued(w)) else w.element_size())
+        weights += read_bytes(model.get_output_embeddings().weight)
     c = model.config
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     kv = 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * avg_len * model.dtype.itemsize
@@ -212,7 +212,7 @@ def first_compile(name, dtype_name, backend, prompt_len, max_cache_len) -> float
 
 
 def first_compile_here(name, dtype_name, backend, prompt_len, max_cache_len) -> dict:
-    model = bench_model(name, dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name])
+    model = bench_model(name, dtype=DTYPES[dtype_name])
     ids = prompt(model, prompt_len)
     _, first = generate(model, ids, 2, BACKENDS[backend], max_cache_len)
     _, warm = generate(model, ids, 2, BACKENDS[backend], max_cache_len)
@@ -225,8 +225,7 @@ def run(models, dtypes, new_tokens, repeats, prompt_len=32, max_cache_len=1024):
     for name in models:
         fp32_eager = None  # the reference for every dtype's logits
         for dtype_name in dtypes:
-            dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
-            model = bench_model(name, dtype=dtype)
+            model = bench_model(name, dtype=DTYPES[dtype_name])
             ids = prompt(model, prompt_len)
             results = {
                 b: measure_backend(model, ids, b, new_tokens, repeats, max_cache_len,
