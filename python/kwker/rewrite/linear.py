@@ -86,13 +86,13 @@ def copied_weight_bytes(gm: torch.fx.GraphModule, example_inputs) -> int:
     sharing = Counter(n.args[0] for n in linears)
     copied = {}
     for n in linears:
-        w = inputs[n.args[1]]
+        w, stacked = inputs[n.args[1]], sharing[n.args[0]] > 1
         bias = inputs.get(n.args[2]) if len(n.args) > 2 else None  # Dynamo passes nn.Linear's bias positionally
         if is_bf16_valued(w):
             copied[id(w)] = w.numel() * 2 + 64
-        elif sharing[n.args[0]] > 1:
+        elif stacked:
             copied[id(w)] = w.nbytes + 64
-        if sharing[n.args[0]] > 1 and isinstance(bias, torch.Tensor):
+        if stacked and isinstance(bias, torch.Tensor):
             copied[id(bias)] = bias.nbytes + 64
     return sum(copied.values())
 
