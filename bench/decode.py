@@ -11,6 +11,7 @@ Per row: decode tokens/s of the whole generate() loop, first-compile seconds,
 the ratio to stock Inductor, the decode step (the model call generate() makes
 per token, Dynamo's guards included) and what generate() adds around it per
 token, the step against the roofline (bytes a step must read ÷ read bandwidth),
+the step and its roofline fraction again with Dynamo's guard check skipped,
 whether the tokens equal eager's (and how many leading ones do), and how far
 the first decode step's logits are from float32 eager's (relative L2, same
 weights: the bench models' weights are bf16-valued). First compiles are a
@@ -114,26 +115,17 @@ def timed_generate(model, ids, new_tokens, compile_kwargs, max_cache_len):
 STEADY = 0.15  # bandwidth readings before and after a generate this close: no change of state seen
 
 
-def measure_backend(model, ids, backend, new_tokens, repeats, max_cache_len, step_bytes):
-    """The first call, a two-token generate (one decode step: it compiles).
-    Then full generates (timed_generate): decode time per token and the decode
-    step's time, medians over the generates. The compile in this process (the
-    first call less a warm two-token generate) goes to the JSON; the table's
-    first compile comes from a fresh process (first_compile). The read
-    bandwidth of this VM moves (about 35 or 60 GB/s, with where the host puts
-    its vCPUs, sometimes within one generate), so it is read
-    before and after every full generate; a generate whose two readings differ
-    by more than STEADY saw a change of state and gives no roofline, and more
-    generates run (up to twice `repeats`) until `repeats` steady ones did. The
-    roofline fraction is the median over the steady generates of each one's
-    median step time against the mean of its two readings. The logits of the
-    first decode step come untimed."""
-    torch._dynamo.reset()
-    compile_kwargs = BACKENDS[backend]
+def steady_generates(model, ids, compile_kwargs, new_tokens, repeats, max_cache_len, step_bytes, reads):
+    """Full generates (timed_generate) until `repeats` of them ran in one
+    bandwidth state (at most twice `repeats`). The read bandwidth of this VM
+    moves (about 35 or 60 GB/s, with where the host puts its vCPUs, sometimes
+    within one generate), so it is read after every generate (`reads` holds the
+    reading before the first); a generate whose two readings differ by more
+    than STEADY saw a change of state and gives no roofline. A generate's
+    roofline fraction is its median step time against the mean of its two
+    readings."""
     threads = torch.get_num_threads()
-    _, first = generate(model, ids, 2, compile_kwargs, max_cache_len)
-    tokens, _ = generate(model, ids, new_tokens, compile_kwargs, max_cache_len)
-    reads, per_token, steps, around, roofline = [read_bandwidth_gbs(threads)], [], [], [], []
+    per_token, steps, around, roofline = [], [], [], []
     while len(roofline) < repeats and len(steps) < 2 * repeats:
         token_s, step_s, around_s = timed_generate(model, ids, new_tokens, compile_kwargs, max_cache_len)
         per_token.append(token_s)
@@ -143,11 +135,34 @@ def measure_backend(model, ids, backend, new_tokens, repeats, max_cache_len, ste
         reads.append(after)
         if abs(before - after) <= STEADY * min(before, after):
             roofline.append(step_bytes / ((before + after) / 2 * 1e9) / step_s)
+    return dict(token_s=statistics.median(per_token), step_s=statistics.median(steps),
+                around_s=statistics.median(around), generates=len(steps), steady_generates=len(roofline),
+                roofline_frac=statistics.median(roofline) if roofline else None)
+
+
+def measure_backend(model, ids, backend, new_tokens, repeats, max_cache_len, step_bytes):
+    """The first call, a two-token generate (one decode step: it compiles).
+    Then steady_generates: decode time per token, the decode step's time and
+    its roofline fraction, medians over the generates; for a compiled backend
+    again under torch.compiler.set_stance(skip_guard_eval_unsafe=True) (README,
+    "Skipping Dynamo's guards"), which shows what Dynamo's guard check costs a
+    step. The compile in this process (the first call less a warm two-token
+    generate) goes to the JSON; the table's first compile comes from a fresh
+    process (first_compile). The logits of the first decode step come untimed."""
+    torch._dynamo.reset()
+    compile_kwargs = BACKENDS[backend]
+    _, first = generate(model, ids, 2, compile_kwargs, max_cache_len)
+    tokens, _ = generate(model, ids, new_tokens, compile_kwargs, max_cache_len)
+    reads = [read_bandwidth_gbs(torch.get_num_threads())]
+    result = steady_generates(model, ids, compile_kwargs, new_tokens, repeats, max_cache_len, step_bytes, reads)
+    result["skip_guards"] = None
+    if compile_kwargs is not None:
+        with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+            result["skip_guards"] = steady_generates(model, ids, compile_kwargs, new_tokens, repeats, max_cache_len,
+                                                     step_bytes, reads)
     two = [generate(model, ids, 2, compile_kwargs, max_cache_len, output_logits=True, return_dict_in_generate=True)
            for _ in range(repeats)]
-    return dict(tokens=tokens, token_s=statistics.median(per_token), step_s=statistics.median(steps),
-                around_s=statistics.median(around), generates=len(steps), steady_generates=len(roofline),
-                roofline_frac=statistics.median(roofline) if roofline else None, read_gbs=statistics.median(reads),
+    return dict(result, tokens=tokens, read_gbs=statistics.median(reads),
                 compile_in_process_s=max(first - statistics.median(t for _, t in two), 0.0),
                 step_input=two[0][0].sequences[0, :-1], step_logits=two[0][0].logits[1][0].float())
 
@@ -236,6 +251,7 @@ def run(models, dtypes, new_tokens, repeats, prompt_len=32, max_cache_len=1024):
                 fp32_eager = results["eager"]
             ref = results["eager"]["tokens"]
             for backend, r in results.items():
+                skipped = r["skip_guards"] or dict(step_s=None, roofline_frac=None)
                 rows.append(dict(
                     model=name, dtype=dtype_name, backend=backend,
                     tokens_per_s=1.0 / r["token_s"],
@@ -247,6 +263,8 @@ def run(models, dtypes, new_tokens, repeats, prompt_len=32, max_cache_len=1024):
                     roofline_frac=r["roofline_frac"],
                     generates=r["generates"],
                     steady_generates=r["steady_generates"],
+                    step_ms_skip_guards=skipped["step_s"] and skipped["step_s"] * 1e3,
+                    roofline_frac_skip_guards=skipped["roofline_frac"],
                     tokens_equal=bool(torch.equal(r["tokens"], ref)),
                     matching_tokens=matching_tokens(r["tokens"], ref, prompt_len),
                     logits_error_vs_fp32=logits_error(r, fp32_eager),
@@ -260,14 +278,18 @@ def run(models, dtypes, new_tokens, repeats, prompt_len=32, max_cache_len=1024):
                 machine=platform.processor() or platform.machine(), isa=_C.cpu_isa(), rows=rows)
 
 
+def _fmt(value, spec):
+    return "-" if value is None else format(value, spec)
+
+
 def _row_line(r):
-    err, roofline = r["logits_error_vs_fp32"], r["roofline_frac"]
     return (f"| {r['model']} | {r['dtype']} | {r['backend']} | {r['tokens_per_s']:.2f} | {r['first_compile_s']:.1f} "
             f"| {r['ratio_vs_inductor']:.2f} | {r['step_ms']:.1f} | {r['generate_overhead_ms']:.1f} "
-            f"| {'-' if roofline is None else f'{roofline:.2f}'} "
-            f"({r['steady_generates']}/{r['generates']}) | {r['read_gbs']:.1f} "
+            f"| {_fmt(r['roofline_frac'], '.2f')} ({r['steady_generates']}/{r['generates']}) "
+            f"| {_fmt(r['step_ms_skip_guards'], '.1f')} | {_fmt(r['roofline_frac_skip_guards'], '.2f')} "
+            f"| {r['read_gbs']:.1f} "
             f"| {'yes' if r['tokens_equal'] else 'NO'} ({r['matching_tokens']}) "
-            f"| {'-' if err is None else f'{err:.1e}'} |")
+            f"| {_fmt(r['logits_error_vs_fp32'], '.1e')} |")
 
 
 def markdown(result) -> str:
@@ -275,8 +297,9 @@ def markdown(result) -> str:
     lines = [f"{result['threads']} threads, {result['new_tokens']} new tokens, median of {result['repeats']}, {spin}",
              "",
              "| model | dtype | backend | decode tok/s | first compile s | × inductor | step ms | generate() ms "
-             "| roofline (steady/generates) | read GB/s | tokens = eager (leading equal) | logits error vs fp32 |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| roofline (steady/generates) | step ms, guards skipped | roofline, guards skipped | read GB/s "
+             "| tokens = eager (leading equal) | logits error vs fp32 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     return "\n".join(lines + [_row_line(r) for r in result["rows"]])
 
 
