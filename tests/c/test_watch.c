@@ -1,0 +1,225 @@
+/* Write watches: a write anywhere in a watched range is seen, by a fault on the
+ * whole pages or by comparing the partial ones; memory next to a range stays
+ * writable; other faults still crash. */
+#define _GNU_SOURCE
+#include <criterion/criterion.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "kw_watch.h"
+
+static size_t page(void) { return (size_t)sysconf(_SC_PAGESIZE); }
+
+/* n pages of fresh memory, page-aligned, filled with a pattern. */
+static unsigned char *pages(size_t n) {
+    unsigned char *p = mmap(NULL, n * page(), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    cr_assert_neq(p, MAP_FAILED);
+    for (size_t i = 0; i < n * page(); i++) p[i] = (unsigned char)(i * 7);
+    return p;
+}
+
+/* A range starting 100 bytes into the first page and ending 100 bytes into the
+ * last, as a malloc'd tensor would: whole pages inside, partial ones at the ends. */
+static void range_in(unsigned char *mem, size_t n_pages, unsigned char **p, size_t *bytes) {
+    *p = mem + 100;
+    *bytes = (n_pages - 1) * page();
+}
+
+Test(watch, a_write_to_a_whole_page_is_seen_and_rearm_starts_afresh) {
+    unsigned char *mem = pages(6), *p;
+    size_t n;
+    range_in(mem, 6, &p, &n);
+    kw_watch *w = kw_watch_new(p, n);
+    cr_assert_not_null(w);
+    cr_expect_eq(kw_watch_protected_bytes(w), 4 * page());
+    cr_expect_eq(kw_watch_changed(w), 0);
+    for (int round = 0; round < 3; round++) {
+        p[2 * page()] ^= 0xff; /* faults, is recorded, and goes through */
+        cr_expect_eq(kw_watch_changed(w), 1, "round %d", round);
+        cr_expect_eq(p[2 * page()], (unsigned char)((2 * page() + 100) * 7) ^ 0xff);
+        p[2 * page()] ^= 0xff;
+        cr_expect_eq(kw_watch_rearm(w), 0);
+        cr_expect_eq(kw_watch_changed(w), 0);
+    }
+    kw_watch_free(w);
+}
+
+Test(watch, a_write_to_the_partial_pages_at_either_end_is_seen_by_comparison) {
+    unsigned char *mem = pages(4), *p;
+    size_t n;
+    range_in(mem, 4, &p, &n);
+    kw_watch *w = kw_watch_new(p, n);
+    cr_assert_not_null(w);
+    p[0] ^= 1;
+    cr_expect_eq(kw_watch_changed(w), 1, "first byte");
+    p[0] ^= 1;
+    cr_expect_eq(kw_watch_changed(w), 0, "restored");
+    p[n - 1] ^= 1;
+    cr_expect_eq(kw_watch_changed(w), 1, "last byte");
+    kw_watch_rearm(w);
+    cr_expect_eq(kw_watch_changed(w), 0, "rearmed with the new last byte");
+    kw_watch_free(w);
+}
+
+Test(watch, memory_next_to_a_range_stays_writable_and_unwatched) {
+    unsigned char *mem = pages(4), *p;
+    size_t n;
+    range_in(mem, 4, &p, &n);
+    kw_watch *w = kw_watch_new(p, n);
+    cr_assert_not_null(w);
+    mem[0] = 1, mem[99] = 2;             /* before the range, on its first page */
+    p[n] = 3, mem[4 * page() - 1] = 4;   /* after it, on its last page */
+    cr_expect_eq(kw_watch_changed(w), 0);
+    /* A system call may write there too: only the watched whole pages refuse it. */
+    int fd[2];
+    cr_assert_eq(pipe(fd), 0);
+    cr_assert_eq(write(fd[1], "abcd", 4), 4);
+    cr_expect_eq(read(fd[0], mem, 4), 4);
+    cr_expect_eq(memcmp(mem, "abcd", 4), 0);
+    cr_assert_eq(write(fd[1], "abcd", 4), 4);
+    errno = 0;
+    cr_expect_eq(read(fd[0], p + page(), 4), -1, "a system call writing into a watched page fails loudly");
+    cr_expect_eq(errno, EFAULT);
+    close(fd[0]);
+    close(fd[1]);
+    kw_watch_free(w);
+}
+
+Test(watch, a_range_without_a_whole_page_is_compared_byte_for_byte) {
+    unsigned char *mem = pages(2);
+    kw_watch *w = kw_watch_new(mem + page() - 50, 100); /* straddles a boundary */
+    cr_assert_not_null(w);
+    cr_expect_eq(kw_watch_protected_bytes(w), 0);
+    mem[page() + 10] = 0xaa;
+    cr_expect_eq(kw_watch_changed(w), 1);
+    kw_watch_rearm(w);
+    cr_expect_eq(kw_watch_changed(w), 0);
+    kw_watch_free(w);
+    cr_expect_null(kw_watch_new(mem, 0));
+    cr_expect_eq(errno, EINVAL);
+}
+
+Test(watch, freeing_a_watch_leaves_its_memory_writable) {
+    unsigned char *mem = pages(8);
+    for (int i = 0; i < 200; i++) { /* entries are reused */
+        kw_watch *w = kw_watch_new(mem + 64, 6 * page());
+        cr_assert_not_null(w, "watch %d", i);
+        kw_watch_free(w);
+        mem[3 * page()] = (unsigned char)i;
+    }
+}
+
+Test(watch, two_watches_over_the_same_pages_both_see_a_write) {
+    unsigned char *mem = pages(6);
+    kw_watch *a = kw_watch_new(mem + 64, 4 * page()), *b = kw_watch_new(mem + 128, 4 * page());
+    cr_assert(a && b);
+    mem[2 * page()] = 9;
+    cr_expect_eq(kw_watch_changed(a), 1);
+    cr_expect_eq(kw_watch_changed(b), 1);
+    kw_watch_rearm(a);
+    kw_watch_rearm(b);
+    mem[3 * page()] = 9;
+    cr_expect(kw_watch_changed(a) && kw_watch_changed(b));
+    kw_watch_free(a);
+    kw_watch_free(b);
+}
+
+Test(watch, many_watches_are_told_apart) {
+    enum { N = 300 };
+    unsigned char *mem = pages(3 * N);
+    kw_watch *w[N];
+    for (int i = 0; i < N; i++) cr_assert_not_null(w[i] = kw_watch_new(mem + 3 * i * page() + 8, 2 * page()));
+    for (int i = 0; i < N; i += 7) mem[3 * i * page() + page() + 40] = 1;
+    for (int i = 0; i < N; i++) cr_expect_eq(kw_watch_changed(w[i]), i % 7 == 0, "watch %d", i);
+    for (int i = 0; i < N; i++) kw_watch_free(w[i]);
+}
+
+typedef struct writer {
+    unsigned char *p;
+    size_t n;
+    atomic_int *stop;
+} writer;
+
+static void *write_loop(void *arg) {
+    writer *wr = arg;
+    for (size_t i = 0; !atomic_load(wr->stop); i++) wr->p[(i * 4096 + 17) % wr->n]++;
+    return NULL;
+}
+
+Test(watch, writes_from_other_threads_while_rearming_never_crash_and_are_seen) {
+    unsigned char *mem = pages(34);
+    kw_watch *w = kw_watch_new(mem + 64, 32 * page());
+    cr_assert_not_null(w);
+    atomic_int stop = 0;
+    writer wr = {mem + 64, 32 * page(), &stop};
+    pthread_t t[2];
+    for (int i = 0; i < 2; i++) pthread_create(&t[i], NULL, write_loop, &wr);
+    for (int i = 0; i < 2000; i++) kw_watch_rearm(w);
+    atomic_store(&stop, 1);
+    for (int i = 0; i < 2; i++) pthread_join(t[i], NULL);
+    kw_watch_rearm(w);
+    cr_expect_eq(kw_watch_changed(w), 0);
+    mem[64 + 5 * page()]++;
+    cr_expect_eq(kw_watch_changed(w), 1);
+    kw_watch_free(w);
+}
+
+Test(watch, a_fault_that_is_not_a_watched_write_still_ends_the_program) {
+    unsigned char *mem = pages(4);
+    kw_watch *w = kw_watch_new(mem + 64, 2 * page());
+    cr_assert_not_null(w);
+    const pid_t child = fork();
+    cr_assert_geq(child, 0);
+    if (child == 0) {
+        dup2(open("/dev/null", O_WRONLY), 2); /* AddressSanitizer's report of the expected crash */
+        unsigned char *ro = mmap(NULL, page(), PROT_READ, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        *(volatile unsigned char *)ro = 1;
+        _exit(0);
+    }
+    int status;
+    cr_assert_eq(waitpid(child, &status, 0), child);
+    /* Killed by SIGSEGV, or (under AddressSanitizer, whose handler kwker's passes it to) exited with an error. */
+    cr_expect(WIFSIGNALED(status) ? WTERMSIG(status) == SIGSEGV : WEXITSTATUS(status) != 0, "status %#x", status);
+    mem[64 + page()] = 1; /* the parent's watch still works */
+    cr_expect_eq(kw_watch_changed(w), 1);
+    kw_watch_free(w);
+}
+
+Test(watch, a_sigsegv_sent_by_raise_reopens_every_watch_and_the_program_goes_on) {
+    unsigned char *mem = pages(4);
+    kw_watch *w = kw_watch_new(mem + 64, 2 * page());
+    cr_assert_not_null(w);
+    raise(SIGSEGV); /* what Python's faulthandler does after its dump, when in front of kwker */
+    cr_expect_eq(kw_watch_changed(w), 1);
+    mem[64 + page()] = 5; /* writable again, no fault */
+    kw_watch_free(w);
+}
+
+static atomic_int other_calls;
+static void other_handler(int sig) { atomic_fetch_add(&other_calls, 1); }
+
+Test(watch, handler_check_puts_kwker_back_in_front_of_a_later_handler) {
+    unsigned char *mem = pages(4);
+    kw_watch *w = kw_watch_new(mem + 64, 2 * page());
+    cr_assert_not_null(w);
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = other_handler;
+    sigemptyset(&sa.sa_mask);
+    cr_assert_eq(sigaction(SIGSEGV, &sa, NULL), 0);
+    cr_assert_eq(kw_watch_handler_check(), 0);
+    mem[64 + page()] = 5;
+    cr_expect_eq(kw_watch_changed(w), 1);
+    cr_expect_eq(atomic_load(&other_calls), 0, "the write never reached the other handler");
+    raise(SIGSEGV); /* nothing of kwker's is protected now: passed on */
+    cr_expect_eq(atomic_load(&other_calls), 1);
+    kw_watch_free(w);
+}
