@@ -38,7 +38,7 @@ import torch._inductor.config
 
 import kwker
 from kwker import _C
-from kwker.rewrite.linear import is_bf16_valued
+from kwker.weights import is_bf16_valued
 from kwker.testing import BENCH_CONFIGS, bench_model
 from kwker.threads import SPIN_VARIABLES
 

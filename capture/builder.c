@@ -62,14 +62,14 @@ static int add_buffer(kw_builder *b, const char *what, int kind, const char *nam
     if (!name) name = "";
     if (nbytes > KW__MAX_BYTES)
         return kw__builder_fail(b, KW_EINVAL, "%s '%s': %zu bytes is too large", what, name, nbytes);
-    if ((kind == KW__BUFFER_STATIC || kind == KW__BUFFER_CONSTANT) && !base)
+    if (kind == KW__BUFFER_CONSTANT && !base)
         return kw__builder_fail(b, KW_EINVAL, "%s '%s': NULL address", what, name);
     char *copy = strdup(name);
     if (!copy || grow((void **)&b->buffers, &b->cap_buffers, b->n_buffers, sizeof *b->buffers)) {
         free(copy);
         return kw__builder_fail(b, KW_ENOMEM, "%s '%s': out of memory", what, name);
     }
-    const int per_call = kind == KW__BUFFER_INPUT || kind == KW__BUFFER_STATIC || kind == KW__BUFFER_OUTPUT;
+    const int per_call = kind == KW__BUFFER_INPUT || kind == KW__BUFFER_OUTPUT;
     b->buffers[b->n_buffers] = (kw__buffer){
         .name = copy,
         .kind = kind,
@@ -84,10 +84,6 @@ static int add_buffer(kw_builder *b, const char *what, int kind, const char *nam
 
 int kw_builder_input(kw_builder *b, const char *name, size_t nbytes) {
     return add_buffer(b, "input", KW__BUFFER_INPUT, name, NULL, nbytes);
-}
-
-int kw_builder_static_input(kw_builder *b, const char *name, void *addr, size_t nbytes) {
-    return add_buffer(b, "static input", KW__BUFFER_STATIC, name, addr, nbytes);
 }
 
 int kw_builder_output(kw_builder *b, const char *name, size_t nbytes) {

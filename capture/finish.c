@@ -80,7 +80,7 @@ static int check_aliasing(const kw_builder *b, int i, char *msg, size_t len) {
 
 static void *fake_address(const kw_builder *b, const kw__view *v) {
     const kw__buffer *buf = &b->buffers[v->buffer];
-    if (buf->kind == KW__BUFFER_CONSTANT || buf->kind == KW__BUFFER_STATIC) return (char *)buf->base + v->offset;
+    if (buf->kind == KW__BUFFER_CONSTANT) return (char *)buf->base + v->offset;
     return (void *)(FAKE_BASE + ((uintptr_t)v->buffer << 20) + v->offset);
 }
 
@@ -372,11 +372,7 @@ static int build_patches(kw_plan *p, const kw_builder *b) {
     p->slots = calloc((size_t)b->n_slots + 1, sizeof *p->slots);
     if (!p->slots) return KW_ENOMEM;
     for (int i = 0; i < p->n_buffers; i++)
-        if (p->buffers[i].slot >= 0) {
-            kw__slot *s = &p->slots[p->buffers[i].slot];
-            s->buffer = i;
-            if (p->buffers[i].kind == KW__BUFFER_STATIC) s->expected = p->buffers[i].base;
-        }
+        if (p->buffers[i].slot >= 0) p->slots[p->buffers[i].slot].buffer = i;
     /* Two passes over the same walk: count, then fill. */
     int total = 0;
     for (int pass = 0; pass < 2; pass++) {

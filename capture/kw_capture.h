@@ -1,13 +1,13 @@
 /* kw_capture.h — the builder: buffers, views and steps in, a validated plan out.
  *
- * Declare buffers (per-call inputs, static inputs, fresh outputs, constants at a
+ * Declare buffers (per-call inputs, fresh outputs, constants at a
  * fixed address, arena regions), typed views over them, and steps (an ops/ kernel
  * with its views and scalar parameters, or a host fallback). kw_builder_finish
  * checks everything — each kernel's own check, slot access, no arena or output
  * buffer read before a step writes it, no write to a constant, no written view
  * partly overlapping another view of its step — places the arena buffers by
  * liveness, decides where barriers go and returns an immutable kw_plan. Replay
- * then checks nothing but the pointers of static inputs.
+ * then checks nothing: the caller binds a pointer of the right size to each slot.
  *
  * Every call returns an id (>= 0) or a negative KW_E*; the first failing call
  * also makes finish fail with the same code and message (kw_builder_error). */
@@ -25,15 +25,13 @@ typedef struct kw_builder kw_builder;
 kw_builder *kw_builder_create(void); /* NULL when out of memory */
 void kw_builder_destroy(kw_builder *b);
 
-/* Buffers. Input, static input and output buffers are per-call: they take replay
+/* Buffers. Input and output buffers are per-call: they take replay
  * slots 0, 1, 2... in the order they are declared. The builder copies names.
  *   input:    a new pointer each call, contents defined;
- *   static:   must be at `addr` on every call (replay checks it; a KV cache);
  *   output:   a new pointer each call, contents undefined until a step writes it;
  *   constant: at `addr` for the plan's life, read-only (weights);
  *   arena:    placed by the planner; undefined until a step writes it. */
 int kw_builder_input(kw_builder *b, const char *name, size_t nbytes);
-int kw_builder_static_input(kw_builder *b, const char *name, void *addr, size_t nbytes);
 int kw_builder_output(kw_builder *b, const char *name, size_t nbytes);
 int kw_builder_constant(kw_builder *b, const char *name, const void *addr, size_t nbytes);
 int kw_builder_arena(kw_builder *b, const char *name, size_t nbytes);

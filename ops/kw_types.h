@@ -45,8 +45,7 @@ const char *kw_dtype_name(kw_dtype dt); /* torch's spelling: "float32", "bfloat1
     X(ESTATE, -8, "object is in the wrong state for this call")   \
     X(ECALLBACK, -9, "fallback callback failed")                  \
     X(EREADONLY, -10, "step writes a read-only buffer")           \
-    X(EALIAS, -11, "written view partly overlaps another view")   \
-    X(ESTATIC, -12, "static input is not at its captured address")
+    X(EALIAS, -11, "written view partly overlaps another view")
 
 typedef enum kw_error {
     KW_OK = 0,

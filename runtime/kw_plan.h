@@ -5,9 +5,8 @@
  * outputs) are numbered slots: kw_plan_replay takes one pointer per slot, patches
  * the views on them, and runs every step inside one kw_pool_run, each thread
  * walking the whole array with a barrier only where a step depends on an earlier
- * one. A slot declared static keeps the pointer it was captured with; replay only
- * checks it. Replay allocates nothing, looks nothing up and fails only on a bad
- * call (a wrong static pointer, a busy plan) or a failing fallback.
+ * one. Replay allocates nothing, looks nothing up and fails only on a bad call
+ * (a missing pointer, a busy plan) or a failing fallback.
  *
  * Two plans may replay at once from two threads (on one pool the runs take turns);
  * a plan replayed while it is already replaying answers KW_EBUSY. */
@@ -31,17 +30,15 @@ void kw_plan_destroy(kw_plan *plan);
 
 /* Runs the plan once. slots[i] is the pointer for slot i (kw_plan_n_slots of
  * them; NULL only for a slot of zero bytes). The pool may have fewer threads than
- * the plan was built for, never more. Returns 0, KW_EINVAL, KW_ESTATIC (a static
- * slot is not at its captured address), KW_EBUSY or KW_ECALLBACK. */
+ * the plan was built for, never more. Returns 0, KW_EINVAL, KW_EBUSY or
+ * KW_ECALLBACK. */
 int kw_plan_replay(kw_plan *plan, kw_pool *pool, void *const *slots);
 
 int kw_plan_n_slots(const kw_plan *plan);
 /* Bytes the pointer for slot i must cover; -1 for a bad index. */
 int64_t kw_plan_slot_bytes(const kw_plan *plan, int slot);
-/* The captured address of a static slot, NULL for any other slot. */
-void *kw_plan_slot_static(const kw_plan *plan, int slot);
 
-/* The fixed address of a buffer (constant, static input, arena buffer); NULL for
+/* The fixed address of a buffer (constant, arena buffer); NULL for
  * per-call inputs and outputs, for arena buffers no step uses and bad ids.
  * Buffer ids are the builder's. */
 void *kw_plan_buffer_address(const kw_plan *plan, int buffer);

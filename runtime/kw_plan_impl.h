@@ -15,7 +15,6 @@
 
 typedef enum kw__buffer_kind {
     KW__BUFFER_INPUT,    /* per call: a new pointer each replay */
-    KW__BUFFER_STATIC,   /* per call, but always at its captured address */
     KW__BUFFER_OUTPUT,   /* per call, written by the plan, undefined before */
     KW__BUFFER_CONSTANT, /* fixed address, read-only */
     KW__BUFFER_ARENA,    /* placed in the plan's arena by liveness */
@@ -65,7 +64,6 @@ typedef struct kw__patch {
 
 typedef struct kw__slot {
     int buffer;
-    void *expected; /* static slots: the captured address; else NULL */
     int n_patches;
     kw__patch *patches;
 } kw__slot;

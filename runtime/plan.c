@@ -12,7 +12,6 @@ _Alignas(KW__ALIGN) char kw__empty[KW__ALIGN];
 const char *kw__buffer_kind_name(int kind) {
     switch (kind) {
     case KW__BUFFER_INPUT: return "input";
-    case KW__BUFFER_STATIC: return "static";
     case KW__BUFFER_OUTPUT: return "output";
     case KW__BUFFER_CONSTANT: return "constant";
     case KW__BUFFER_ARENA: return "arena";
@@ -102,10 +101,6 @@ static int bind_slots(kw_plan *p, void *const *ptrs) {
     for (int i = 0; i < p->n_slots; i++) {
         const kw__slot *s = &p->slots[i];
         char *base = ptrs[i];
-        if (s->expected) {
-            if (base != s->expected) return KW_ESTATIC;
-            continue;
-        }
         if (!base) {
             if (p->buffers[s->buffer].nbytes) return KW_EINVAL;
             base = kw__empty; /* zero bytes: every view on it is empty and at offset 0 */
@@ -135,10 +130,6 @@ int kw_plan_n_slots(const kw_plan *p) { return p->n_slots; }
 int64_t kw_plan_slot_bytes(const kw_plan *p, int slot) {
     if (slot < 0 || slot >= p->n_slots) return -1;
     return (int64_t)p->buffers[p->slots[slot].buffer].nbytes;
-}
-
-void *kw_plan_slot_static(const kw_plan *p, int slot) {
-    return slot >= 0 && slot < p->n_slots ? p->slots[slot].expected : NULL;
 }
 
 void *kw_plan_buffer_address(const kw_plan *p, int buffer) {

@@ -67,7 +67,7 @@ static void put_buffer(text *t, const kw_plan *p, int i) {
     if (b->slot >= 0) put(t, "  slot %d", b->slot);
     if (b->kind == KW__BUFFER_ARENA && b->first >= 0)
         put(t, "  arena [%zu, %zu)", b->arena_offset, b->arena_offset + b->nbytes);
-    if (b->kind == KW__BUFFER_CONSTANT || b->kind == KW__BUFFER_STATIC) put(t, "  at %p", b->base);
+    if (b->kind == KW__BUFFER_CONSTANT) put(t, "  at %p", b->base);
     if (b->first >= 0)
         put(t, "  live %d..%d", b->first, b->last);
     else

@@ -13,17 +13,6 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 
-def has_static_shapes(example_inputs) -> bool:
-    def static(x):
-        if isinstance(x, torch.SymInt):
-            return False
-        if isinstance(x, torch.Tensor):
-            return all(isinstance(d, int) for d in (*x.shape, *x.stride()))
-        return True
-
-    return all(static(x) for x in example_inputs)
-
-
 def trace_to_aten(gm: torch.fx.GraphModule, example_inputs) -> torch.fx.GraphModule:
     fake_mode = detect_fake_mode(example_inputs) or FakeTensorMode()
     with fake_mode:

@@ -1,39 +1,34 @@
-"""Decode steps: what makes a graph one, and the callable that replays it.
+"""Decode steps: what makes a graph one, and the plan that replays it.
 
 A decode step is a CPU inference graph that writes non-parameter inputs in
 place (the cache's index_copy_ and the counter's add_ of transformers'
-StaticCache) at one query position. The cache is usually marked static, but not
-when the cache was created inside a compiled prefill (model.forward compiled),
-so the mark is not required. It is lowered to a plan and never given to
-Inductor.
+StaticCache) at one query position. routing.py recognises the candidates on
+Dynamo's graph, before anything is traced; classify_decode_step checks the
+ATen trace. The step is lowered to a plan and never given to Inductor.
+
+The plan is what Dynamo calls. It reads kwker's weight copies, and checks
+their sources before every call (kwker.weights): when one changed, the copies
+are packed again, or, when they cannot be made the same way, the whole step is
+compiled again from Dynamo's graph with the call's arguments and the plan takes
+the new one over. A second model of the same class, for which Dynamo reuses
+the step, has its weights packed into the same copies.
 """
+
+import logging
 
 import torch
 
-from kwker.lower import block_weight, lower_to_plan
-from kwker.rewrite import pack_weights, pack_weights_dtype
+from kwker.aten_graph import trace_to_aten
+from kwker.lower import NotLowerable, lower_to_plan
+from kwker.rewrite import reserved_copy_bytes, rewrite_language_model
+from kwker.weights import CopiedWeights, WeightArena
 
 aten = torch.ops.aten
-
-
-def static_arg_indices(gm: torch.fx.GraphModule, example_inputs) -> set[int]:
-    """Inputs whose memory must be the same on every call: parameters and the
-    module buffers Dynamo marked static. Not the KV cache: transformers marks it
-    static without an address guard, so a new cache object (the next generate()
-    call) reuses the compiled step, and the plan binds its tensors on each call."""
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    written = {n.args[0] for n in gm.graph.nodes if n.op == "call_function" and _mutates_first_arg(n)}
-    return {
-        i
-        for i, t in enumerate(example_inputs)
-        if isinstance(t, torch.Tensor)
-        and placeholders[i] not in written
-        and (isinstance(t, torch.nn.Parameter) or getattr(t, "_dynamo_static_input_type", None) is not None)
-    }
+log = logging.getLogger(__name__)
 
 
 def classify_decode_step(gm: torch.fx.GraphModule, example_inputs) -> str | None:
-    """None if gm is a decode step, else why it is not."""
+    """None if the ATen graph gm is a decode step, else why it is not."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     writes = [n for n in gm.graph.nodes if n.op == "call_function" and _mutates_first_arg(n)]
     cache_writes = [n for n in writes if n.target is aten.index_copy_.default]
@@ -57,48 +52,44 @@ def _mutates_first_arg(node) -> bool:
     return bool(schema and schema.arguments and schema.arguments[0].alias_info and schema.arguments[0].alias_info.is_write)
 
 
-class Repacker:
-    """What the plan calls when a parameter that kwker packed (a bf16 copy, or
-    q/k/v's weights or biases stacked) changed in place: packs again each copy
-    whose sources moved."""
+def compile_decode_step(gm: torch.fx.GraphModule, example_inputs, glue: bool = True):
+    """The plan for Dynamo's graph gm of a decode step, and what it did (rewrite
+    counts, fallback ops). Raises NotLowerable when gm is not one it can replay."""
+    arena = WeightArena(reserved_copy_bytes(gm, example_inputs))  # faults in while the graph is traced
+    try:
+        aten_gm = trace_to_aten(gm, example_inputs)
+        not_decode = classify_decode_step(aten_gm, example_inputs)
+        if not_decode:
+            raise NotLowerable(f"not a decode step: {not_decode}")
+        placeholders = [n.name for n in aten_gm.graph.nodes if n.op == "placeholder"]
+        params = {name: t for name, t in zip(placeholders, example_inputs) if isinstance(t, torch.nn.Parameter)}
+        counts, copies = rewrite_language_model(aten_gm, params, glue=glue, arena=arena)
+    finally:
+        arena.close()
+    plan, report = lower_to_plan(aten_gm, example_inputs, copies)
+    if copies:
+        copied = CopiedWeights(copies, {name: i for i, name in enumerate(placeholders)})
+        plan.watch(copied.sources, _Refresh(copied, gm, glue))
+    detail = {"rewrites": {k: v for k, v in counts.items() if v}, "fallback_ops": report.fallback_ops,
+              "copies": len(copies)}
+    return plan, detail
 
-    def __init__(self, groups: list[tuple[torch.Tensor, list[int], list[int]]]):
-        self.groups = groups  # (packed copy, its sources' argument indices, their versions)
+
+class _Refresh:
+    """What a plan calls when a source of its copies changed: the copies packed
+    again (None), or the step compiled again for these arguments (a new Plan,
+    which the plan takes over)."""
+
+    def __init__(self, copied: CopiedWeights, gm: torch.fx.GraphModule, glue: bool):
+        self.copied, self.gm, self.glue = copied, gm, glue
 
     def __call__(self, args):
-        for packed, sources, versions in self.groups:
-            now = [args[i]._version for i in sources]
-            if now != versions:
-                _repack(packed, [args[i] for i in sources])
-                versions[:] = now
+        if self.copied.refresh(args):
+            log.debug("decode step: weight copies packed again")
+            return None
+        log.info("decode step: a weight can no longer be copied the same way; compiling the step again")
+        plan, _ = compile_decode_step(self.gm, list(args), self.glue)
+        return plan
 
 
-def _repack(packed: torch.Tensor, weights: list[torch.Tensor]) -> None:
-    """Packs again into the plan's own tensor (same address, same layout)."""
-    if packed.dtype == torch.bfloat16 and pack_weights_dtype(weights) != torch.bfloat16:
-        raise RuntimeError(
-            "kwker: a weight changed in place and is no longer exactly representable in bfloat16, "
-            "so its compiled bfloat16 copy cannot be refreshed; call torch._dynamo.reset() and compile again"
-        )
-    fresh = pack_weights(weights, packed.dtype)
-    packed.copy_(block_weight(fresh, packed.shape[2]) if packed.dim() == 3 else fresh)  # 3 dims: K-blocked
-
-
-def compile_decode_step(gm: torch.fx.GraphModule, example_inputs):
-    """The plan, which Dynamo calls directly, and the lowering's report. The
-    plan checks its packed weights' sources for in-place changes in C, before
-    each call, and asks a Repacker to refresh the copies."""
-    plan, report, constants = lower_to_plan(gm, example_inputs, static_arg_indices(gm, example_inputs))
-    names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
-    groups = [
-        (constants[p.attr], [names.index(s) for s in p.sources], list(p.versions))
-        for p in gm.meta.get("kwker_packed", [])
-        if p.attr in constants
-    ]
-    if groups:
-        watched = {i: v for _, sources, versions in groups for i, v in zip(sources, versions)}
-        plan.watch_versions(list(watched), list(watched.values()), Repacker(groups))
-    return plan, report
-
-
-__all__ = ["classify_decode_step", "compile_decode_step", "static_arg_indices"]
+__all__ = ["classify_decode_step", "compile_decode_step"]

@@ -1,9 +1,9 @@
 """Lowering a rewritten ATen graph into a replay plan (kwker._C.PlanBuilder).
 
 Every node's fake value gives its storage, strides and offset, so:
-- each storage becomes one buffer: a graph input (per-call, or static when its
-  address must not change: parameters, the KV cache), a constant (kwker's packed
-  weights, values folded at compile time), a fresh output, or an arena region;
+- each storage becomes one buffer: a graph input (bound on every call, after a
+  check of its dtype, shape and strides), a constant (kwker's weight copies,
+  values folded at compile time), a fresh output, or an arena region;
 - a view op is no step at all, only another view of its input's buffer;
 - an in-place op writes into its input's own memory (the cache is never copied);
 - every other op is one native step, or a fallback step that calls PyTorch on
@@ -21,6 +21,7 @@ from torch.fx import Node
 from kwker import _C
 from kwker.custom_ops import ops
 from kwker.rewrite.match import val
+from kwker.weights import CopiedWeight
 
 aten = torch.ops.aten
 P = _C.op_params()
@@ -41,16 +42,13 @@ def storage_key(t: torch.Tensor) -> int:
 
 
 class _Lowering:
-    def __init__(self, gm: torch.fx.GraphModule, example_inputs, static_args: set[int]):
-        self.gm, self.example_inputs, self.static_args = gm, example_inputs, static_args
+    def __init__(self, gm: torch.fx.GraphModule, example_inputs, copies: dict[str, CopiedWeight]):
+        self.gm, self.example_inputs, self.copies = gm, example_inputs, copies
         self.b = _C.PlanBuilder()
         self.buffers: dict[int, tuple[int, int]] = {}  # storage -> (buffer id, element offset of its start)
         self.views: dict[tuple, int] = {}
         self.folded: dict[Node, torch.Tensor] = {}  # nodes evaluated at compile time
         self.report = LoweringReport()
-        self.block = _weights_to_block(gm)  # get_attr node -> B for weights linear reads K-blocked
-        self.block_scratch = torch.empty(0)
-        self.constants_by_attr: dict[str, torch.Tensor] = {}
         self.placeholder_index = {n: i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
         out_node = next(n for n in gm.graph.nodes if n.op == "output")
         self.outputs = [a for a in _flat(out_node.args[0])]
@@ -69,24 +67,12 @@ class _Lowering:
         key = storage_key(val(node))
         if key in self.buffers:
             raise NotLowerable(f"inputs share storage ({node.name})")
-        if index in self.static_args:
-            # A parameter's layout cannot change under the same storage; its
-            # pointer check is enough (a layout check costs ~0.25 µs per call).
-            check_layout = not isinstance(t, torch.nn.Parameter)
-            buf = self.b.static_input(node.name, t, arg=index, check_layout=check_layout)
-        else:
-            buf = self.b.input(node.name, t.dtype, tuple(t.shape), tuple(t.stride()), arg=index)
+        buf = self.b.input(node.name, t.dtype, tuple(t.shape), tuple(t.stride()), arg=index)
         self.buffers[key] = (buf, t.storage_offset())
 
-    def scratch_like(self, t: torch.Tensor) -> torch.Tensor:
-        """Memory for block_weight to go through, one for all (fresh memory faults in slowly)."""
-        if self.block_scratch.numel() < t.numel() or self.block_scratch.dtype != t.dtype:
-            self.block_scratch = torch.empty(t.numel(), dtype=t.dtype)
-        return self.block_scratch
-
     def declare_constant(self, node: Node, tensor: torch.Tensor):
-        """tensor may have another layout than node's fake value (a K-blocked weight);
-        only weight_view makes views of those."""
+        """tensor may have another layout than node's fake value (a K-blocked
+        weight copy); only weight_view makes views of those."""
         tensor = tensor.detach()
         self.buffers[storage_key(val(node))] = (self.b.constant(tensor, node.name), tensor.storage_offset())
         self.folded[node] = tensor
@@ -122,16 +108,17 @@ class _Lowering:
         return None if a is None else self.view(val(a))
 
     def weight_view(self, w: Node) -> int:
-        """A linear's weight: [N, K], or [K/B, N, B] when kwker stored it K-blocked.
-        A model's own weight, read as stored, is moved onto huge pages in place:
-        streamed through 4 KiB pages it read 20 % slower at 60 GB/s."""
-        if w not in self.block:
-            if w.op == "placeholder":
-                _C.prefer_huge_pages(self.example_inputs[self.placeholder_index[w]])
-            return self.view(val(w))
-        t = self.folded[w]
-        buf, _ = self.buffers[storage_key(val(w))]
-        return self.b.view(buf, t.dtype, tuple(t.shape), tuple(t.stride()), 0)
+        """A linear's weight: [N, K], or [K/B, N, B] when its copy is K-blocked
+        (the copy's own layout, kwker.weights'). A model's own weight, read as
+        stored, is moved onto huge pages in place: streamed through 4 KiB pages
+        it read 20 % slower at 60 GB/s."""
+        if w.op == "get_attr" and w.target in self.copies:
+            t = self.folded[w]
+            buf, _ = self.buffers[storage_key(val(w))]
+            return self.b.view(buf, t.dtype, tuple(t.shape), tuple(t.stride()), 0)
+        if w.op == "placeholder":
+            _C.prefer_huge_pages(self.example_inputs[self.placeholder_index[w]])
+        return self.view(val(w))
 
     # ---- steps --------------------------------------------------------------------
 
@@ -141,13 +128,11 @@ class _Lowering:
 
     def lower_node(self, node: Node):
         if node.op == "placeholder":
-            self.declare_input(node, self.placeholder_index[node])
+            if node.users:  # a weight only copied from is the copy's watch's concern
+                self.declare_input(node, self.placeholder_index[node])
         elif node.op == "get_attr":
-            tensor = getattr(self.gm, node.target)
-            if node in self.block:
-                tensor = block_weight(tensor, self.block[node], self.scratch_like(tensor))
-            self.declare_constant(node, tensor)
-            self.constants_by_attr[node.target] = tensor
+            copy = self.copies.get(node.target)
+            self.declare_constant(node, copy.copy if copy else getattr(self.gm, node.target))
         elif node.op == "call_function":
             self.lower_call(node)
 
@@ -423,33 +408,9 @@ INPLACE_LOWERINGS = {
 }
 
 
-def block_weight(w: torch.Tensor, block: int, scratch: torch.Tensor | None = None) -> torch.Tensor:
-    """kwker's own contiguous [N, K] weight rearranged in its own memory as
-    [K/B, N, B]: linear then streams B-wide slices of many rows at once.
-    scratch: at least w.numel() elements of w's dtype to go through."""
-    n, k = w.shape
-    scratch = torch.empty(w.numel(), dtype=w.dtype) if scratch is None else scratch[:w.numel()]
-    scratch.view(k // block, n, block).copy_(w.view(n, k // block, block).transpose(0, 1))
-    return w.view(-1).copy_(scratch).view(k // block, n, block)
-
-
-def _weights_to_block(gm: torch.fx.GraphModule) -> dict[Node, int]:
-    """kwker's own weights (get_attr) that linear reads faster K-blocked. Parameters
-    are read as stored."""
-    block = {}
-    for node in gm.graph.nodes:
-        if node.target in (ops.linear.default, ops.linear_n.default):
-            w = node.args[1]
-            b = _C.linear_block(val(w).shape[1])
-            if w.op == "get_attr" and b and val(w).dim() == 2:
-                block[w] = b
-    return block
-
-
-def lower_to_plan(gm: torch.fx.GraphModule, example_inputs, static_args: set[int]):
+def lower_to_plan(gm: torch.fx.GraphModule, example_inputs, copies: list[CopiedWeight]):
     """A Plan that, called with Dynamo's flat inputs, does what gm does, and the
-    tensors the plan reads for gm's get_attr constants (by attribute name).
-    static_args: indices of inputs whose address must stay the same (checked each call)."""
-    lowering = _Lowering(gm, example_inputs, static_args)
+    lowering's report. copies: kwker's weight copies among gm's attributes."""
+    lowering = _Lowering(gm, example_inputs, {c.attr: c for c in copies})
     plan = lowering.run()
-    return plan, lowering.report, lowering.constants_by_attr
+    return plan, lowering.report

@@ -1,4 +1,6 @@
-"""Which path a graph takes, decided from what the graph is, not from names."""
+"""Which path a graph takes, decided from Dynamo's own graph and example inputs
+before kwker traces, rewrites or copies anything: a graph handed to Inductor
+costs kwker nothing."""
 
 from dataclasses import dataclass
 
@@ -7,10 +9,13 @@ import torch
 # Accelerators kwker leaves to Inductor unchanged: kwker's kernels are for the CPU.
 ACCELERATOR_DEVICES = frozenset({"cuda", "xpu", "mps"})
 
+# The floating dtypes kwker's kernels read and write.
+KERNEL_FLOAT_DTYPES = frozenset({torch.float32, torch.bfloat16})
+
 
 @dataclass(frozen=True)
 class Route:
-    path: str  # "inductor-unchanged", "inductor" or "cpu-inference"
+    path: str  # "inductor-unchanged", "inductor", "decode" or "cpu-inference"
     reason: str
 
 
@@ -25,12 +30,66 @@ def graph_devices(gm: torch.fx.GraphModule, example_inputs) -> set[str]:
     return devices
 
 
-def route_graph(devices: set[str], grad_enabled: bool = False, static_shapes: bool = True) -> Route:
-    accelerators = sorted(devices & ACCELERATOR_DEVICES)
+def has_static_shapes(example_inputs) -> bool:
+    def static(x):
+        if isinstance(x, torch.SymInt):
+            return False
+        if isinstance(x, torch.Tensor):
+            return all(isinstance(d, int) for d in (*x.shape, *x.stride()))
+        return True
+
+    return all(static(x) for x in example_inputs)
+
+
+def route_graph(gm: torch.fx.GraphModule, example_inputs, grad_enabled: bool = False) -> Route:
+    accelerators = sorted(graph_devices(gm, example_inputs) & ACCELERATOR_DEVICES)
     if accelerators:
         return Route("inductor-unchanged", f"tensors on {', '.join(accelerators)}: kwker's kernels are CPU-only")
     if grad_enabled:
         return Route("inductor", "a training graph (grad enabled): Inductor compiles it")
-    if not static_shapes:
+    if not has_static_shapes(example_inputs):
         return Route("inductor", "dynamic shapes: kwker's rewrites and plans need static shapes")
-    return Route("cpu-inference", "a CPU inference graph with static shapes")
+    cache_write = static_cache_write(gm)
+    if cache_write is None:
+        return Route("cpu-inference", "a CPU inference graph with static shapes")
+    if cache_write:
+        return Route("inductor", f"not a decode step: {cache_write}")
+    unfit = unfit_for_kernels(gm, example_inputs)
+    if unfit:
+        return Route("inductor", f"a decode step kwker cannot replay: {unfit}")
+    return Route("decode", "a decode step: writes a static cache at one position")
+
+
+def static_cache_write(gm: torch.fx.GraphModule) -> str | None:
+    """On Dynamo's graph: "" when it writes a graph input with index_copy_ at
+    one position and nothing else that way, the reason it is not a decode step
+    when it writes more positions, None when it writes no cache."""
+    found = None
+    for node in gm.graph.nodes:
+        if not (node.op == "call_method" and node.target == "index_copy_"):
+            continue
+        cache, dim, _, src = (list(node.args) + [None] * 4)[:4]
+        if not (isinstance(cache, torch.fx.Node) and cache.op == "placeholder" and isinstance(dim, int)):
+            continue
+        value = src.meta.get("example_value") if isinstance(src, torch.fx.Node) else None
+        if isinstance(value, torch.Tensor) and value.dim() > dim and value.shape[dim] != 1:
+            return f"{node.name} writes {value.shape[dim]} positions of {cache.name} (prefill, not decode)"
+        found = ""
+    return found
+
+
+def unfit_for_kernels(gm: torch.fx.GraphModule, example_inputs) -> str | None:
+    """Why a decode step's inputs are not what kwker's kernels take, or None."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node, x in zip(placeholders, example_inputs):
+        if not node.users:
+            continue
+        if isinstance(x, torch.Tensor):
+            if x.is_floating_point() and x.dtype not in KERNEL_FLOAT_DTYPES:
+                what = "a scalar (a Python float Dynamo made an input)" if x.dim() == 0 else "a tensor"
+                return f"input {node.name} is {what} of {x.dtype}; kwker's kernels take float32 and bfloat16"
+            if x.is_complex():
+                return f"input {node.name} is {x.dtype}"
+        elif not isinstance(x, (int, bool)):
+            return f"input {node.name} is a {type(x).__name__}, not a tensor"
+    return None

@@ -13,6 +13,7 @@ class GraphReport:
     reason: str
     rewrites: dict[str, int] = field(default_factory=dict)
     fallback_ops: list[str] = field(default_factory=list)
+    copies: int = 0  # weight copies kwker made and keeps fresh (kwker.weights)
     why: str = ""
 
     def __post_init__(self):

@@ -13,7 +13,6 @@
 enum { MAX_CMDS = 64, REGION = 4096, N_REGIONS = 16 };
 
 static _Alignas(64) unsigned char const_mem[N_REGIONS][REGION];
-static _Alignas(64) unsigned char static_mem[N_REGIONS][REGION];
 static kw_pool *pools[4];
 
 typedef struct reader {
@@ -52,15 +51,13 @@ static int touch(void *user, kw_tensor *views, int n) {
 
 static const char *const access_sets[] = {"r", "w", "m", "rw", "wr", "rm", "mr", "ww", "rr", "rwm"};
 
-static void add_buffer(kw_builder *b, reader *r, int *n_const, int *n_static) {
+static void add_buffer(kw_builder *b, reader *r, int *n_const) {
     const size_t nbytes = u16(r) % (REGION + 1);
-    switch (u8(r) % 5) {
+    switch (u8(r) % 4) {
     case 0: kw_builder_input(b, "in", nbytes); break;
     case 1: kw_builder_output(b, "out", nbytes); break;
     case 2: kw_builder_arena(b, "tmp", u16(r) % 2 ? nbytes : nbytes / 64); break;
-    case 3: kw_builder_constant(b, "w", const_mem[(*n_const)++ % N_REGIONS], nbytes); break;
-    default:
-        if (*n_static < N_REGIONS) kw_builder_static_input(b, "cache", static_mem[(*n_static)++], nbytes);
+    default: kw_builder_constant(b, "w", const_mem[(*n_const)++ % N_REGIONS], nbytes); break;
     }
 }
 
@@ -116,9 +113,8 @@ static void add_shaped_op(kw_builder *b, reader *r, int *n_buffers, int *n_views
         for (int d = 0; d < ndim; d++) nbytes *= (size_t)shape[d];
         const char a = info->arg[k].access;
         const int buf = a == KW_WRITE ? (pick & 8 ? kw_builder_arena(b, "y", nbytes) : kw_builder_output(b, "y", nbytes))
-                        : pick & 8 ? kw_builder_input(b, "x", nbytes)
-                        : a == KW_READ ? kw_builder_constant(b, "w", const_mem[u8(r) % N_REGIONS], nbytes)
-                                       : kw_builder_static_input(b, "m", static_mem[u8(r) % N_REGIONS], nbytes);
+                        : pick & 8 || a != KW_READ ? kw_builder_input(b, "x", nbytes)
+                                                   : kw_builder_constant(b, "w", const_mem[u8(r) % N_REGIONS], nbytes);
         (*n_buffers)++;
         views[k] = kw_builder_view(b, buf, t, ndim, shape, NULL, 0);
         (*n_views)++;
@@ -139,15 +135,11 @@ static void add_fallback(kw_builder *b, reader *r, int n_views) {
 static void replay_checked(kw_plan *plan, int n_threads) {
     const int n = kw_plan_n_slots(plan);
     void **slots = calloc((size_t)n + 1, sizeof *slots);
-    for (int i = 0; i < n; i++) {
-        slots[i] = kw_plan_slot_static(plan, i);
-        if (!slots[i]) slots[i] = calloc(1, (size_t)kw_plan_slot_bytes(plan, i) + 1);
-    }
+    for (int i = 0; i < n; i++) slots[i] = calloc(1, (size_t)kw_plan_slot_bytes(plan, i) + 1);
     if (!pools[n_threads]) pools[n_threads] = kw_pool_create(n_threads);
     for (int rep = 0; rep < 2; rep++)
         if (kw_plan_replay(plan, pools[n_threads], slots) != 0) __builtin_trap();
-    for (int i = 0; i < n; i++)
-        if (!kw_plan_slot_static(plan, i)) free(slots[i]);
+    for (int i = 0; i < n; i++) free(slots[i]);
     free(slots);
     free(kw_plan_dump(plan));
 }
@@ -155,10 +147,10 @@ static void replay_checked(kw_plan *plan, int n_threads) {
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     reader r = {data, size};
     kw_builder *b = kw_builder_create();
-    int n_buffers = 0, n_views = 0, n_steps = 0, n_const = 0, n_static = 0;
+    int n_buffers = 0, n_views = 0, n_steps = 0, n_const = 0;
     for (int cmd = 0; cmd < MAX_CMDS && r.n; cmd++) {
         switch (u8(&r) % 7) {
-        case 0: add_buffer(b, &r, &n_const, &n_static); n_buffers++; break;
+        case 0: add_buffer(b, &r, &n_const); n_buffers++; break;
         case 1: add_view(b, &r, n_buffers); n_views++; break;
         case 2: add_op(b, &r, n_views); n_steps++; break;
         case 3: add_fallback(b, &r, n_views); n_steps++; break;

@@ -1,5 +1,5 @@
 /* runtime/: replaying a plan equals calling its kernels one by one; fallbacks,
- * static inputs, busy plans, profiling; two plans replayed at once from two
+ * per-call pointers, busy plans, profiling; two plans replayed at once from two
  * threads. */
 #include <criterion/criterion.h>
 #include <pthread.h>
@@ -133,7 +133,7 @@ Test(replay, a_failing_fallback_stops_the_replay) {
     kw_pool_destroy(pool);
 }
 
-/* ---- re-entry, static inputs, misuse -------------------------------------------- */
+/* ---- re-entry, binding, misuse -------------------------------------------- */
 
 static kw_plan *reentry_plan;
 static kw_pool *reentry_pool;
@@ -163,33 +163,34 @@ Test(replay, a_plan_replayed_while_it_replays_is_busy) {
     kw_builder_destroy(b);
 }
 
-/* A static input is written in place (like a KV cache); replay only checks its
- * address. */
-Test(replay, a_static_input_must_be_at_its_captured_address) {
-    static float w[N * K], cache[2][N], x[K];
+/* Every call brings its own pointers: an input or output that moved is read and
+ * written at its new address. */
+Test(replay, each_call_binds_its_own_pointers) {
+    static float w[N * K], out[2][N], x[2][K];
     fill(w, N * K, 3);
-    fill(x, K, 4);
+    fill(x[0], K, 4);
+    fill(x[1], K, 5);
     kw_builder *b = kw_builder_create();
-    const int bx = kw_builder_input(b, "x", sizeof x);
-    const int bc = kw_builder_static_input(b, "cache", cache[0], sizeof cache[0]);
+    const int bx = kw_builder_input(b, "x", sizeof x[0]);
+    const int by = kw_builder_input(b, "out", sizeof out[0]);
     const int bw = kw_builder_constant(b, "w", w, sizeof w);
-    const int v[3] = {view2(b, bc, 1, N), view2(b, bx, 1, K), view2(b, bw, N, K)};
+    const int v[3] = {view2(b, by, 1, N), view2(b, bx, 1, K), view2(b, bw, N, K)};
     kw_builder_op(b, KW_OP_LINEAR, v, 3, NULL, 0, NULL, 0);
     kw_plan *plan;
     const kw_finish_opts o = {.n_threads = 2, .isa = -1};
     cr_assert_eq(kw_builder_finish(b, &o, &plan, NULL, 0), 0);
-    cr_expect_eq(kw_plan_slot_static(plan, 1), cache[0]);
-    cr_expect_null(kw_plan_slot_static(plan, 0));
     kw_pool *pool = kw_pool_create(2);
-    void *moved[2] = {x, cache[1]}, *right[2] = {x, cache[0]};
-    cr_expect_eq(kw_plan_replay(plan, pool, moved), KW_ESTATIC);
-    cr_expect_eq(kw_plan_replay(plan, pool, right), 0);
-    float ref[N];
-    run_linear(ref, x, w, 1, K, N);
-    cr_expect_arr_eq(cache[0], ref, sizeof ref);
-    void *null_input[2] = {NULL, cache[0]};
+    for (int i = 0; i < 2; i++) {
+        void *slots[2] = {x[i], out[i]};
+        cr_expect_eq(kw_plan_replay(plan, pool, slots), 0);
+        float ref[N];
+        run_linear(ref, x[i], w, 1, K, N);
+        cr_expect_arr_eq(out[i], ref, sizeof ref, "call %d", i);
+    }
+    void *null_input[2] = {NULL, out[0]};
     cr_expect_eq(kw_plan_replay(plan, pool, null_input), KW_EINVAL);
     kw_pool *big = kw_pool_create(3);
+    void *right[2] = {x[0], out[0]};
     cr_expect_eq(kw_plan_replay(plan, big, right), KW_EINVAL, "a pool larger than the plan's threads");
     kw_pool_destroy(big);
     kw_pool_destroy(pool);

@@ -132,16 +132,15 @@ def test_the_callers_options_dict_is_not_modified():
 
 
 def test_a_graph_with_tensors_on_an_accelerator_goes_to_inductor_unchanged():
-    with FakeTensorMode():
-        x = torch.empty(4, 8, device="cuda")
-    gm = torch.fx.symbolic_trace(lambda x: x * 2)
-    devices = graph_devices(gm, [x])
-    assert devices == {"cuda"}
-    route = route_graph(devices)
-    assert route.path == "inductor-unchanged" and "cuda" in route.reason
-    assert route_graph({"cpu", "mps"}).path == "inductor-unchanged"
-    assert route_graph({"xpu"}).path == "inductor-unchanged"
-    assert route_graph({"cpu"}).path != "inductor-unchanged"
+    gm = torch.fx.symbolic_trace(lambda x, y: x * y)
+    for devices in (("cuda", "cuda"), ("cpu", "mps"), ("xpu", "cpu")):
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            inputs = [torch.empty(4, 8, device=d) for d in devices]
+        assert graph_devices(gm, inputs) == set(devices)
+        route = route_graph(gm, inputs)
+        assert route.path == "inductor-unchanged", devices
+        assert next(d for d in devices if d != "cpu") in route.reason
+    assert route_graph(gm, [torch.empty(4, 8), torch.empty(4, 8)]).path == "cpu-inference"
 
 
 def test_torch_logs_shows_what_kwker_chose_for_each_graph():

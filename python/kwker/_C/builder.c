@@ -126,8 +126,7 @@ static int add_py_buffer(kw__program *prog, int id, int source, int index) {
 
 /* ---- buffers ------------------------------------------------------------------------ */
 
-static int add_input(BuilderObject *self, PyObject *name, const kw_tensor *t, PyObject *arg_obj, int is_static,
-                     int check_layout) {
+static int add_input(BuilderObject *self, PyObject *name, const kw_tensor *t, PyObject *arg_obj) {
     kw__program *prog = self->prog;
     const char *cname = PyUnicode_AsUTF8(name);
     if (!cname) return -1;
@@ -145,10 +144,7 @@ static int add_input(BuilderObject *self, PyObject *name, const kw_tensor *t, Py
     if (RESERVE(prog, inputs) || RESERVE(prog, buffers)) return -1;
     PyObject *shape = kw__int64_tuple(t->shape, t->ndim), *stride = kw__int64_tuple(t->stride, t->ndim);
     if (!shape || !stride) goto error;
-    /* A static input of zero bytes has nothing to protect and may have no address. */
-    is_static = is_static && nbytes > 0;
-    const int id = is_static ? kw_builder_static_input(self->b, cname, t->data, (size_t)nbytes)
-                             : kw_builder_input(self->b, cname, (size_t)nbytes);
+    const int id = kw_builder_input(self->b, cname, (size_t)nbytes);
     if (id < 0) {
         fail(self, id);
         goto error;
@@ -158,9 +154,6 @@ static int add_input(BuilderObject *self, PyObject *name, const kw_tensor *t, Py
         .name = Py_NewRef(name),
         .arg = (int)arg,
         .slot = kw_builder_slot(self->b, id),
-        .is_static = is_static,
-        .check_layout = check_layout,
-        .expected = t->data,
         .t = *t,
         .shape_obj = shape,
         .stride_obj = stride,
@@ -181,21 +174,7 @@ static PyObject *builder_input(PyObject *self_, PyObject *args, PyObject *kw) {
         return NULL;
     kw_tensor t;
     if (parse_layout(dtype, shape, strides, &t)) return NULL;
-    const int id = add_input(self, name, &t, arg, 0, 1);
-    return id < 0 ? NULL : PyLong_FromLong(id);
-}
-
-static PyObject *builder_static_input(PyObject *self_, PyObject *args, PyObject *kw) {
-    static char *names[] = {"name", "tensor", "arg", "check_layout", NULL};
-    PyObject *name, *tensor, *arg = Py_None;
-    int check_layout = 1;
-    BuilderObject *self = open_builder(self_);
-    if (!self || !PyArg_ParseTupleAndKeywords(args, kw, "UO|$Op:static_input", names, &name, &tensor, &arg,
-                                              &check_layout))
-        return NULL;
-    kw_tensor t;
-    if (kw__tensor_read(tensor, "static input", &t)) return NULL;
-    const int id = add_input(self, name, &t, arg, 1, check_layout);
+    const int id = add_input(self, name, &t, arg);
     return id < 0 ? NULL : PyLong_FromLong(id);
 }
 
@@ -535,11 +514,6 @@ static PyMethodDef builder_methods[] = {
      "input(name, dtype, shape, strides=None, *, arg=None) -> buffer id\n\n"
      "A per-call input: argument `arg` (default: the next position) must be a CPU tensor of exactly\n"
      "this dtype, shape and strides (strides of size-1 dims aside); its pointer is bound each call."},
-    {"static_input", (PyCFunction)(void (*)(void))builder_static_input, METH_VARARGS | METH_KEYWORDS,
-     "static_input(name, tensor, *, arg=None, check_layout=True) -> buffer id\n\n"
-     "An input that must be `tensor`'s memory on every call (a KV cache): each call checks the\n"
-     "argument's data pointer (and, with check_layout, dtype, shape and strides) and raises\n"
-     "PlanError naming the input when it moved. The tensor itself is not kept alive."},
     {"constant", (PyCFunction)(void (*)(void))builder_constant, METH_VARARGS | METH_KEYWORDS,
      "constant(tensor, name=None) -> buffer id\n\nRead-only memory at a fixed address; the plan keeps "
      "the tensor alive."},

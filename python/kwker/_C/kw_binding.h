@@ -34,8 +34,15 @@ int kw__dtype_from_py(PyObject *obj, kw_dtype *out); /* torch.dtype or its name 
 int kw__int64_seq(PyObject *seq, int64_t *out, int max, const char *what);
 PyObject *kw__int64_tuple(const int64_t *v, int n);
 
-/* dtype, shape, strides and data pointer of a CPU tensor; -1 with an exception. */
+/* dtype, shape, strides and data pointer of a CPU tensor of a dtype kwker
+ * knows; -1 with an exception naming `what`. Tens of ns through PyTorch's C
+ * shim where it was found and checked (kw__tensor_read_is_fast), else through
+ * the tensor's Python attributes. */
 int kw__tensor_read(PyObject *t, const char *what, kw_tensor *out);
+int kw__tensor_read_is_fast(void);
+/* The fast path alone: 0, or -1 (no exception) when it cannot say; then
+ * kw__tensor_read gives the answer or the error. */
+int kw__tensor_read_quick(PyObject *t, kw_tensor *out);
 
 /* Bytes from a layout's first element to past its last (0 when empty); strides
  * must not be negative. -1 on overflow. */
@@ -59,7 +66,7 @@ extern PyTypeObject kw__MemoryType;
 /* ---- the program as Python sees it ------------------------------------------------ */
 
 typedef enum kw__source {
-    KW__SRC_INPUT,  /* index into inputs (static inputs included) */
+    KW__SRC_INPUT,  /* index into inputs */
     KW__SRC_OUTPUT, /* index into outputs */
     KW__SRC_CONST,  /* index into the constants list */
     KW__SRC_ARENA,
@@ -77,10 +84,9 @@ typedef struct kw__py_view {
 
 typedef struct kw__py_input {
     PyObject *name;
-    int arg, slot, is_static, check_layout;
-    void *expected;
-    kw_tensor t;                    /* dtype, shape, strides */
-    PyObject *shape_obj, *stride_obj; /* tuples, compared with the argument's */
+    int arg, slot;
+    kw_tensor t;                      /* dtype, shape, strides: checked on each call */
+    PyObject *shape_obj, *stride_obj; /* the same as tuples, for messages */
 } kw__py_input;
 
 typedef struct kw__py_output {
@@ -119,6 +125,11 @@ int kw__program_traverse(kw__program *p, visitproc visit, void *arg);
 
 extern PyTypeObject kw__PlanBuilderType;
 extern PyTypeObject kw__PlanType;
+extern PyTypeObject kw__WatchType;
+
+/* 1 when `tensor` is not the watch's memory and layout, or that memory was
+ * written since the watch was made or rearmed; 0; -1 with an exception. */
+int kw__watch_changed(PyObject *watch, PyObject *tensor);
 
 /* The host step every fallback of every plan runs: user is the fallback's index. */
 int kw__fallback_call(void *user, kw_tensor *views, int n);

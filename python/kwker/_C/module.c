@@ -101,6 +101,18 @@ static PyObject *prefer_huge_pages(PyObject *self, PyObject *arg) {
     return PyLong_FromSize_t(done);
 }
 
+static PyObject *read_tensor(PyObject *self, PyObject *arg) {
+    kw_tensor t;
+    if (kw__torch_init() || kw__tensor_read(arg, "read_tensor's argument", &t)) return NULL;
+    return Py_BuildValue("(NsNN)", PyLong_FromVoidPtr(t.data), kw_dtype_name(t.dtype), kw__int64_tuple(t.shape, t.ndim),
+                         kw__int64_tuple(t.stride, t.ndim));
+}
+
+static PyObject *reads_tensors_fast(PyObject *self, PyObject *unused) {
+    if (kw__torch_init()) return NULL;
+    return PyBool_FromLong(kw__tensor_read_is_fast());
+}
+
 static PyMethodDef module_methods[] = {
     {"cpu_isa", cpu_isa, METH_NOARGS, "The best ISA kwker's kernels use on this CPU."},
     {"op_names", op_names, METH_NOARGS, "The names of kwker's native ops."},
@@ -117,6 +129,11 @@ static PyMethodDef module_methods[] = {
     {"prefer_huge_pages", prefer_huge_pages, METH_O,
      "prefer_huge_pages(t) -> bytes: backs the whole 2 MiB pages of t's memory with huge pages now\n"
      "(madvise MADV_HUGEPAGE + MADV_COLLAPSE; contents unchanged); 0 where the kernel refuses."},
+    {"read_tensor", read_tensor, METH_O,
+     "read_tensor(t) -> (data_ptr, dtype name, shape, strides): what a plan reads of each input on every call."},
+    {"reads_tensors_fast", reads_tensors_fast, METH_NOARGS,
+     "True when tensors are read through PyTorch's C shim (tens of ns), False when through their Python\n"
+     "attributes (the shim was not found, or disagreed with Python on a probe tensor)."},
     {"bf16_exact", bf16_exact, METH_O,
      "bf16_exact(t) -> bool: every value of the contiguous float32 CPU tensor t is exactly a bfloat16\n"
      "value and none is NaN, so t.to(torch.bfloat16) loses nothing."},

@@ -1,9 +1,18 @@
 /* kwker._C.Plan: a finished plan, called like a function with torch tensors.
  *
- * A call checks every input against the plan (type, device, dtype, shape,
- * strides; a static input's address), allocates the fresh outputs, releases the
- * GIL for the replay and returns the outputs. Fallback steps take the GIL back
- * on the calling thread (thread 0 of the pool) for their Python call only.
+ * A call, in order:
+ * 1. waits for any other thread's call of the same plan to end (one call at a
+ *    time: the per-call tables and the arena are the plan's own); a call from
+ *    inside the plan's own call (a fallback, the refresh) raises instead;
+ * 2. checks the plan's sources, the arguments kwker copied weights from (see
+ *    plan.watch): each must still be the watched memory, with the watched
+ *    layout, unwritten since. If one is not, refresh(args) brings the copies up
+ *    to date or returns a new Plan, which this one adopts;
+ * 3. checks every input it reads against the plan (a CPU tensor of its dtype,
+ *    shape and strides) and binds its data pointer;
+ * 4. allocates the fresh outputs, releases the GIL for the replay and returns
+ *    the outputs. Fallback steps take the GIL back on the calling thread
+ *    (thread 0 of the pool) for their Python call only.
  *
  * Threads: one kw_pool per thread count, per process, made on first use and
  * kept for the process's life (a forked child makes its own: the workers do not
@@ -11,30 +20,10 @@
 #include <pthread.h>
 #include <stdint.h>
 #include <string.h>
+#include <time.h>
 
 #include "kw_binding.h"
-
-typedef struct PlanObject {
-    PyObject_HEAD
-    vectorcallfunc vectorcall;
-    PyObject *dict;
-    PyObject *weakrefs;
-    PyObject *memory; /* owns the kw_plan and its arena */
-    kw_plan *plan;
-    kw__program *prog;
-    int n_threads, busy;
-    void **slots;           /* this call's pointers, by slot */
-    PyObject **fresh;       /* this call's output tensors, by output */
-    PyObject **fixed;       /* by view: a tensor made once (constant and arena views) */
-    struct kw__make *make;  /* by view: how a returned or fallback view becomes a tensor */
-    int n_make;
-    PyObject *const *args;  /* this call's arguments */
-    int n_watched;          /* arguments whose in-place changes call on_change (see plan_watch_versions) */
-    int *watched;
-    int64_t *versions;      /* their tensor version counters when last seen */
-    PyObject *on_change;
-    PyObject *exc_type, *exc_value, *exc_tb; /* a fallback's exception */
-} PlanObject;
+#include "kw_watch.h"
 
 /* How a view becomes a torch tensor for a return or a fallback. */
 typedef enum make_kind {
@@ -50,6 +39,38 @@ typedef struct kw__make {
     Py_ssize_t offset; /* elements, MAKE_AS_STRIDED */
     PyObject *shape, *stride;
 } kw__make;
+
+/* Everything a built plan owns. A Plan adopts a rebuilt plan's state whole. */
+typedef struct kw__state {
+    PyObject *memory; /* owns the kw_plan and its arena */
+    kw_plan *plan;
+    kw__program *prog;
+    int n_threads;
+    void **slots;          /* this call's pointers, by slot */
+    PyObject **fresh;      /* this call's output tensors, by output */
+    PyObject **fixed;      /* by view: a tensor made once (constant and arena views) */
+    kw__make *make;        /* by view: how a returned or fallback view becomes a tensor */
+    PyObject *sources;     /* list of (argument index, Watch), or NULL (see plan_watch) */
+    PyObject *refresh;
+    int n_src;             /* the list as read when set or refreshed */
+    struct kw__watched {
+        int arg;
+        PyObject *watch; /* a reference of its own */
+    } *src;
+} kw__state;
+
+typedef struct PlanObject {
+    PyObject_HEAD
+    vectorcallfunc vectorcall;
+    PyObject *dict;
+    PyObject *weakrefs;
+    kw__state *s;
+    PyThread_type_lock lock; /* held for a whole call */
+    unsigned long owner;     /* the thread inside a call, 0 when none (read and written with the GIL) */
+    PyObject *const *args;   /* this call's arguments */
+    PyObject *exc_type, *exc_value, *exc_tb; /* a fallback's exception */
+    int64_t timing_ns[3];    /* the last call: sources and inputs checked, replay, whole call */
+} PlanObject;
 
 /* The plan replaying on this thread: fallbacks find their plan here, and a
  * plan called from a fallback is refused (its pool would wait on itself). */
@@ -74,105 +95,206 @@ static kw_pool *pool_get(int n_threads) {
     return pools[n_threads];
 }
 
-/* ---- a call ------------------------------------------------------------------------ */
+static int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
 
-static PyObject *as_tuple(PyObject *seq) {
-    PyObject *t = PySequence_Tuple(seq);
+/* ---- the state ----------------------------------------------------------------------- */
+
+static void state_free(kw__state *s) {
+    if (!s) return;
+    for (int v = 0; s->prog && v < s->prog->n_views; v++) {
+        if (s->fixed) Py_XDECREF(s->fixed[v]);
+        if (s->make) {
+            Py_XDECREF(s->make[v].shape);
+            Py_XDECREF(s->make[v].stride);
+        }
+    }
+    for (int i = 0; s->fresh && s->prog && i < s->prog->n_outputs; i++) Py_XDECREF(s->fresh[i]);
+    for (int i = 0; i < s->n_src; i++) Py_DECREF(s->src[i].watch);
+    PyMem_Free(s->src);
+    Py_XDECREF(s->sources);
+    Py_XDECREF(s->refresh);
+    kw__program_free(s->prog);
+    PyMem_Free(s->slots);
+    PyMem_Free(s->fresh);
+    PyMem_Free(s->fixed);
+    PyMem_Free(s->make);
+    Py_XDECREF(s->memory); /* the last reference destroys the kw_plan */
+    PyMem_Free(s);
+}
+
+static int state_traverse(kw__state *s, visitproc visit, void *arg) {
+    if (!s) return 0;
+    Py_VISIT(s->memory);
+    Py_VISIT(s->sources);
+    Py_VISIT(s->refresh);
+    for (int i = 0; i < s->n_src; i++) Py_VISIT(s->src[i].watch);
+    for (int i = 0; s->fixed && s->prog && i < s->prog->n_views; i++) Py_VISIT(s->fixed[i]);
+    return kw__program_traverse(s->prog, visit, arg);
+}
+
+/* ---- binding the inputs -------------------------------------------------------------- */
+
+static PyObject *int64_tuple_or_none(const int64_t *v, int n) {
+    PyObject *t = kw__int64_tuple(v, n);
     if (!t) PyErr_Clear();
-    return t ? t : Py_NewRef(seq);
+    return t ? t : Py_NewRef(Py_None);
 }
 
 static int layout_error(const kw__py_input *in, int code, const char *what, PyObject *expected, PyObject *got) {
-    PyObject *got_tuple = as_tuple(got);
-    kw__plan_error(code, "%s '%U' (argument %d): expected %s %R, got %R", in->is_static ? "static input" : "input",
-                   in->name, in->arg, what, expected, got_tuple);
-    Py_DECREF(got_tuple);
+    kw__plan_error(code,
+                   "input '%U' (argument %d): expected %s %R, got %R. With Dynamo's guards on, a changed input makes "
+                   "Dynamo compile again; this one reached the plan (guards skipped, or dropped by a guard filter): "
+                   "run it once with the guards on, or compile again",
+                   in->name, in->arg, what, expected, got);
     return -1;
 }
 
-/* Strides of size-1 dims do not matter (PyTorch is free to pick them). */
-static int strides_match(const kw__py_input *in, PyObject *got) {
-    int64_t s[KW_MAX_DIMS];
-    const int n = kw__int64_seq(got, s, KW_MAX_DIMS, "stride");
-    if (n < 0) {
-        PyErr_Clear();
-        return 0;
-    }
-    for (int d = 0; d < in->t.ndim; d++)
-        if (in->t.shape[d] == 0) return 1;
-    for (int d = 0; d < in->t.ndim; d++)
-        if (in->t.shape[d] > 1 && s[d] != in->t.stride[d]) return 0;
-    return n == in->t.ndim;
+/* Strides of size-1 dims do not matter (PyTorch is free to pick them), nor any
+ * of an empty tensor. */
+static int strides_match(const kw_tensor *want, const kw_tensor *got) {
+    for (int d = 0; d < want->ndim; d++)
+        if (want->shape[d] == 0) return 1;
+    for (int d = 0; d < want->ndim; d++)
+        if (want->shape[d] > 1 && got->stride[d] != want->stride[d]) return 0;
+    return 1;
 }
 
-static int check_layout(const kw__py_input *in, PyObject *t) {
-    PyObject *is_cpu = PyObject_GetAttr(t, kw__t.s_is_cpu);
-    if (!is_cpu) return -1;
-    Py_DECREF(is_cpu);
-    if (is_cpu != Py_True) {
-        kw__plan_error(KW_EINVAL, "input '%U' (argument %d) must be a CPU tensor", in->name, in->arg);
+static int bind_input(kw__state *s, const kw__py_input *in, PyObject *arg) {
+    kw_tensor t;
+    if (kw__tensor_read_quick(arg, &t)) {
+        char what[160];
+        snprintf(what, sizeof what, "input '%s' (argument %d)", PyUnicode_AsUTF8(in->name), in->arg);
+        if (kw__tensor_read(arg, what, &t)) return -1;
+    }
+    if (t.dtype != in->t.dtype)
+        return layout_error(in, KW_EDTYPE, "dtype", kw__t.dtype[in->t.dtype], kw__t.dtype[t.dtype]);
+    int same_shape = t.ndim == in->t.ndim;
+    for (int d = 0; same_shape && d < t.ndim; d++) same_shape = t.shape[d] == in->t.shape[d];
+    if (!same_shape || !strides_match(&in->t, &t)) {
+        const int shape_differs = !same_shape;
+        PyObject *got = int64_tuple_or_none(shape_differs ? t.shape : t.stride, t.ndim);
+        layout_error(in, KW_ESHAPE, shape_differs ? "shape" : "strides", shape_differs ? in->shape_obj : in->stride_obj,
+                     got);
+        Py_DECREF(got);
         return -1;
     }
-    PyObject *dtype = PyObject_GetAttr(t, kw__t.s_dtype);
-    if (!dtype) return -1;
-    Py_DECREF(dtype); /* dtypes are module-level singletons: identity is enough */
-    if (dtype != kw__t.dtype[in->t.dtype]) return layout_error(in, KW_EDTYPE, "dtype", kw__t.dtype[in->t.dtype], dtype);
-    PyObject *shape = PyObject_GetAttr(t, kw__t.s_shape);
-    if (!shape) return -1;
-    int eq = PyObject_RichCompareBool(shape, in->shape_obj, Py_EQ);
-    if (eq <= 0) {
-        if (eq == 0) layout_error(in, KW_ESHAPE, "shape", in->shape_obj, shape);
-        Py_DECREF(shape);
-        return -1;
-    }
-    Py_DECREF(shape);
-    PyObject *stride = PyObject_CallMethodNoArgs(t, kw__t.s_stride);
-    if (!stride) return -1;
-    eq = PyObject_RichCompareBool(stride, in->stride_obj, Py_EQ);
-    if (eq == 0 && !strides_match(in, stride)) layout_error(in, KW_ESHAPE, "strides", in->stride_obj, stride);
-    Py_DECREF(stride);
-    return PyErr_Occurred() ? -1 : 0;
-}
-
-static int bind_input(PlanObject *p, const kw__py_input *in, PyObject *t) {
-    if (!PyObject_TypeCheck(t, kw__t.tensor_type)) {
-        PyErr_Format(PyExc_TypeError, "input '%U' (argument %d) must be a torch.Tensor, not %.100s", in->name,
-                     in->arg, Py_TYPE(t)->tp_name);
-        return -1;
-    }
-    if ((!in->is_static || in->check_layout) && check_layout(in, t)) return -1;
-    PyObject *ptr_obj = PyObject_CallMethodNoArgs(t, kw__t.s_data_ptr);
-    if (!ptr_obj) return -1;
-    void *ptr = PyLong_AsVoidPtr(ptr_obj);
-    Py_DECREF(ptr_obj);
-    if (!ptr && PyErr_Occurred()) return -1;
-    if (in->is_static && ptr != in->expected) {
-        kw__plan_error(KW_ESTATIC,
-                       "static input '%U' (argument %d) is not the tensor the plan was built with: its data is at "
-                       "%p, the plan's at %p (a new cache object needs a new plan)",
-                       in->name, in->arg, ptr, in->expected);
-        return -1;
-    }
-    p->slots[in->slot] = ptr;
+    s->slots[in->slot] = t.data;
     return 0;
 }
 
-static void drop_fresh(PlanObject *p) {
-    for (int i = 0; i < p->prog->n_outputs; i++) Py_CLEAR(p->fresh[i]);
+/* ---- sources --------------------------------------------------------------------------- */
+
+/* Reads the sources list (set by plan_watch, changed by refresh) into s->src. */
+static int read_sources(kw__state *s) {
+    const Py_ssize_t n = PyList_GET_SIZE(s->sources);
+    struct kw__watched *src = PyMem_Calloc((size_t)n + 1, sizeof *src);
+    if (!src) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    Py_ssize_t i = 0;
+    for (; i < n; i++) {
+        PyObject *item = PyList_GET_ITEM(s->sources, i);
+        if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 2 ||
+            !PyObject_TypeCheck(PyTuple_GET_ITEM(item, 1), &kw__WatchType)) {
+            PyErr_SetString(PyExc_TypeError, "plan sources must be (argument index, Watch) pairs");
+            break;
+        }
+        const long arg = PyLong_AsLong(PyTuple_GET_ITEM(item, 0));
+        if (arg == -1 && PyErr_Occurred()) break;
+        if (arg < 0 || arg >= s->prog->n_args) {
+            PyErr_Format(PyExc_ValueError, "plan source: argument %ld out of range (the plan takes %d)", arg,
+                         s->prog->n_args);
+            break;
+        }
+        src[i] = (struct kw__watched){(int)arg, Py_NewRef(PyTuple_GET_ITEM(item, 1))};
+    }
+    if (i < n) {
+        while (i--) Py_DECREF(src[i].watch);
+        PyMem_Free(src);
+        return -1;
+    }
+    for (int j = 0; j < s->n_src; j++) Py_DECREF(s->src[j].watch);
+    PyMem_Free(s->src);
+    s->src = src;
+    s->n_src = (int)n;
+    return 0;
 }
 
-static int make_outputs(PlanObject *p) {
-    for (int i = 0; i < p->prog->n_outputs; i++) {
-        const kw__py_output *o = &p->prog->outputs[i];
+/* 1 when a source moved, changed layout or was written; 0; -1 with an exception. */
+static int sources_changed(kw__state *s, PyObject *const *args) {
+    for (int i = 0; i < s->n_src; i++) {
+        const int changed = kw__watch_changed(s->src[i].watch, args[s->src[i].arg]);
+        if (changed) return changed;
+    }
+    return 0;
+}
+
+static PyObject *args_tuple(PyObject *const *args, Py_ssize_t n) {
+    PyObject *t = PyTuple_New(n);
+    for (Py_ssize_t i = 0; t && i < n; i++) PyTuple_SET_ITEM(t, i, Py_NewRef(args[i]));
+    return t;
+}
+
+/* The sources are current once this returns 0: refresh(args) made them so, by
+ * packing the copies again or by returning a rebuilt Plan that p adopts. */
+static int update_sources(PlanObject *p, PyObject *const *args, Py_ssize_t nargs) {
+    if (kw_watch_handler_check()) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        return -1;
+    }
+    for (int attempt = 0;; attempt++) {
+        kw__state *s = p->s;
+        if (!s->sources) return 0;
+        const int changed = sources_changed(s, args);
+        if (changed <= 0) return changed;
+        if (attempt == 2) {
+            kw__plan_error(KW_ESTATE, "the plan's refresh left a copied weight out of date");
+            return -1;
+        }
+        PyObject *tuple = args_tuple(args, nargs);
+        PyObject *r = tuple ? PyObject_CallOneArg(s->refresh, tuple) : NULL;
+        Py_XDECREF(tuple);
+        if (!r) return -1;
+        if (PyObject_TypeCheck(r, &kw__PlanType)) {
+            PlanObject *q = (PlanObject *)r;
+            if (q == p || q->owner || !q->s || q->s->prog->n_args != s->prog->n_args) {
+                Py_DECREF(r);
+                kw__plan_error(KW_ESTATE, "refresh returned a plan that cannot replace this one");
+                return -1;
+            }
+            p->s = q->s; /* the old state dies with q */
+            q->s = s;
+        } else if (r != Py_None) {
+            Py_DECREF(r);
+            PyErr_SetString(PyExc_TypeError, "a plan's refresh must return None or a Plan");
+            return -1;
+        }
+        Py_DECREF(r);
+        if (p->s->sources && read_sources(p->s)) return -1;
+    }
+}
+
+/* ---- a call ------------------------------------------------------------------------ */
+
+static void drop_fresh(kw__state *s) {
+    for (int i = 0; i < s->prog->n_outputs; i++) Py_CLEAR(s->fresh[i]);
+}
+
+static int make_outputs(kw__state *s) {
+    for (int i = 0; i < s->prog->n_outputs; i++) {
+        const kw__py_output *o = &s->prog->outputs[i];
         PyObject *args[4] = {o->shape_obj, o->stride_obj, kw__t.dtype[o->t.dtype], kw__t.cpu};
         PyObject *t = PyObject_Vectorcall(kw__t.empty_strided, args, 2, kw__t.kw_dtype_device);
         if (!t) return -1;
-        p->fresh[i] = t;
-        PyObject *ptr_obj = PyObject_CallMethodNoArgs(t, kw__t.s_data_ptr);
-        if (!ptr_obj) return -1;
-        p->slots[o->slot] = PyLong_AsVoidPtr(ptr_obj);
-        Py_DECREF(ptr_obj);
-        if (PyErr_Occurred()) return -1;
+        s->fresh[i] = t;
+        kw_tensor out;
+        if (kw__tensor_read_quick(t, &out) && kw__tensor_read(t, "an output", &out)) return -1;
+        s->slots[o->slot] = out.data;
     }
     return 0;
 }
@@ -197,24 +319,26 @@ static PyObject *as_strided(PyObject *t, const kw__make *m, int is_output) {
 
 /* The tensor view v stands for in this call, keeping its memory's owner alive. */
 static PyObject *view_tensor(PlanObject *p, int v) {
-    const kw__program *prog = p->prog;
-    const kw__make *m = &p->make[v];
-    if (m->kind == MAKE_FIXED) return Py_NewRef(p->fixed[v]);
+    const kw__state *s = p->s;
+    const kw__program *prog = s->prog;
+    const kw__make *m = &s->make[v];
+    if (m->kind == MAKE_FIXED) return Py_NewRef(s->fixed[v]);
     const kw__py_view *pv = &prog->views[v];
     const kw__py_buffer *b = &prog->buffers[pv->buffer];
     const int out = b->source == KW__SRC_OUTPUT;
-    PyObject *owner = out ? p->fresh[b->index] : p->args[prog->inputs[b->index].arg];
+    PyObject *owner = out ? s->fresh[b->index] : p->args[prog->inputs[b->index].arg];
     if (m->kind == MAKE_WHOLE) return Py_NewRef(owner);
     if (m->kind == MAKE_AS_STRIDED) return as_strided(owner, m, out);
     kw_tensor bound = pv->t;
-    bound.data = (char *)p->slots[out ? prog->outputs[b->index].slot : prog->inputs[b->index].slot] + pv->offset;
+    bound.data = (char *)s->slots[out ? prog->outputs[b->index].slot : prog->inputs[b->index].slot] + pv->offset;
     return kw__tensor_over(owner, &bound);
 }
 
 static PyObject *make_returns(PlanObject *p) {
-    PyObject *res = PyTuple_New(p->prog->n_returns);
-    for (int r = 0; res && r < p->prog->n_returns; r++) {
-        PyObject *t = view_tensor(p, p->prog->returns[r]);
+    const kw__program *prog = p->s->prog;
+    PyObject *res = PyTuple_New(prog->n_returns);
+    for (int r = 0; res && r < prog->n_returns; r++) {
+        PyObject *t = view_tensor(p, prog->returns[r]);
         if (!t) Py_CLEAR(res);
         else PyTuple_SET_ITEM(res, r, t);
     }
@@ -230,67 +354,56 @@ static PyObject *replay_failed(PlanObject *p, int rc) {
     return kw__plan_error(rc, "replay failed: %s", kw_strerror(rc));
 }
 
-static int64_t tensor_version(PyObject *t) {
-    PyObject *v = PyObject_GetAttr(t, kw__t.s_version);
-    const int64_t version = v ? PyLong_AsLongLong(v) : -1;
-    Py_XDECREF(v);
-    return version;
-}
-
-/* Calls on_change(args) when a watched argument was changed in place since the
- * last call (its version counter moved), then records the versions again. */
-static int check_versions(PlanObject *p, PyObject *const *args, Py_ssize_t nargs) {
-    int changed = 0;
-    for (int i = 0; i < p->n_watched && !changed; i++) {
-        const int64_t v = tensor_version(args[p->watched[i]]);
-        if (v == -1 && PyErr_Occurred()) return -1;
-        changed = v != p->versions[i];
+/* Steps 2-4 of a call, with the plan's lock held. */
+static PyObject *call_locked(PlanObject *p, PyObject *const *args, Py_ssize_t nargs) {
+    const int64_t t0 = now_ns();
+    if (update_sources(p, args, nargs)) return NULL;
+    kw__state *s = p->s;
+    const kw__program *prog = s->prog;
+    for (int i = 0; i < prog->n_inputs; i++)
+        if (bind_input(s, &prog->inputs[i], args[prog->inputs[i].arg])) return NULL;
+    kw_pool *pool = pool_get(s->n_threads);
+    if (!pool || make_outputs(s)) {
+        drop_fresh(s);
+        return NULL;
     }
-    if (!changed) return 0;
-    PyObject *tuple = PyTuple_New(nargs);
-    if (!tuple) return -1;
-    for (Py_ssize_t i = 0; i < nargs; i++) PyTuple_SET_ITEM(tuple, i, Py_NewRef(args[i]));
-    PyObject *r = PyObject_CallOneArg(p->on_change, tuple);
-    Py_DECREF(tuple);
-    if (!r) return -1;
-    Py_DECREF(r);
-    for (int i = 0; i < p->n_watched; i++)
-        if ((p->versions[i] = tensor_version(args[p->watched[i]])) == -1 && PyErr_Occurred()) return -1;
-    return 0;
+    p->args = args;
+    replaying = p;
+    int rc;
+    const int64_t t1 = now_ns();
+    Py_BEGIN_ALLOW_THREADS
+    rc = kw_plan_replay(s->plan, pool, s->slots);
+    Py_END_ALLOW_THREADS
+    const int64_t t2 = now_ns();
+    replaying = NULL;
+    PyObject *res = rc ? replay_failed(p, rc) : make_returns(p);
+    p->args = NULL;
+    drop_fresh(s);
+    p->timing_ns[0] = t1 - t0, p->timing_ns[1] = t2 - t1, p->timing_ns[2] = now_ns() - t0;
+    return res;
 }
 
 static PyObject *plan_call(PyObject *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
     PlanObject *p = (PlanObject *)self;
-    kw__program *prog = p->prog;
     const Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
-    if (!prog) return kw__plan_error(KW_ESTATE, "the plan was cleared");
-    if (nargs != prog->n_args || (kwnames && PyTuple_GET_SIZE(kwnames)))
-        return PyErr_Format(PyExc_TypeError, "the plan takes %d positional arguments (%zd given%s)", prog->n_args,
-                            nargs, kwnames && PyTuple_GET_SIZE(kwnames) ? ", and keywords" : "");
-    if (p->busy || replaying)
-        return kw__plan_error(KW_EBUSY, p->busy ? "the plan is already being replayed (by another thread, or "
-                                                  "this call comes from one of its own fallbacks)"
-                                                : "a plan cannot be called from another plan's fallback");
-    for (int i = 0; i < prog->n_inputs; i++)
-        if (bind_input(p, &prog->inputs[i], args[prog->inputs[i].arg])) return NULL;
-    if (p->n_watched && check_versions(p, args, nargs)) return NULL;
-    kw_pool *pool = pool_get(p->n_threads);
-    if (!pool || make_outputs(p)) {
-        drop_fresh(p);
-        return NULL;
+    if (!p->s) return kw__plan_error(KW_ESTATE, "the plan was cleared");
+    if (nargs != p->s->prog->n_args || (kwnames && PyTuple_GET_SIZE(kwnames)))
+        return PyErr_Format(PyExc_TypeError, "the plan takes %d positional arguments (%zd given%s)",
+                            p->s->prog->n_args, nargs, kwnames && PyTuple_GET_SIZE(kwnames) ? ", and keywords" : "");
+    const unsigned long me = PyThread_get_thread_ident();
+    if (p->owner == me || replaying)
+        return kw__plan_error(KW_EBUSY, p->owner == me ? "the plan was called from inside its own call (a fallback "
+                                                         "or its refresh)"
+                                                       : "a plan cannot be called from another plan's fallback");
+    if (!PyThread_acquire_lock(p->lock, NOWAIT_LOCK)) {
+        Py_BEGIN_ALLOW_THREADS /* another thread's call: wait for it to end */
+        PyThread_acquire_lock(p->lock, WAIT_LOCK);
+        Py_END_ALLOW_THREADS
     }
-    p->busy = 1;
-    p->args = args;
-    replaying = p;
-    int rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = kw_plan_replay(p->plan, pool, p->slots);
-    Py_END_ALLOW_THREADS
-    replaying = NULL;
-    PyObject *res = rc ? replay_failed(p, rc) : make_returns(p);
-    p->busy = 0;
-    p->args = NULL;
-    drop_fresh(p);
+    p->owner = me;
+    PyObject *res = p->s ? call_locked(p, args, nargs) : kw__plan_error(KW_ESTATE, "the plan was cleared");
+    p->owner = 0;
+    PyThread_release_lock(p->lock);
     return res;
 }
 
@@ -322,7 +435,7 @@ int kw__fallback_call(void *user, kw_tensor *views, int n) {
     (void)views, (void)n;
     PlanObject *p = replaying;
     PyGILState_STATE g = PyGILState_Ensure();
-    const int rc = call_fallback(p, &p->prog->fallbacks[(intptr_t)user]);
+    const int rc = call_fallback(p, &p->s->prog->fallbacks[(intptr_t)user]);
     PyGILState_Release(g);
     return rc;
 }
@@ -337,27 +450,27 @@ static int same_layout(const kw_tensor *a, const kw_tensor *b) {
 }
 
 /* Views of constants and of the arena never move: their tensors are made once. */
-static int make_fixed(PlanObject *p, int v) {
-    const kw__py_view *pv = &p->prog->views[v];
-    const kw__py_buffer *b = &p->prog->buffers[pv->buffer];
-    if (p->fixed[v] || (b->source != KW__SRC_CONST && b->source != KW__SRC_ARENA)) return 0;
+static int make_fixed(kw__state *s, int v) {
+    const kw__py_view *pv = &s->prog->views[v];
+    const kw__py_buffer *b = &s->prog->buffers[pv->buffer];
+    if (s->fixed[v] || (b->source != KW__SRC_CONST && b->source != KW__SRC_ARENA)) return 0;
     kw_tensor t = pv->t;
-    t.data = (char *)kw_plan_buffer_address(p->plan, pv->buffer) + pv->offset;
-    PyObject *owner = b->source == KW__SRC_CONST ? PyList_GET_ITEM(p->prog->constants, b->index) : p->memory;
-    p->fixed[v] = kw__tensor_over(owner, &t);
-    return p->fixed[v] ? 0 : -1;
+    t.data = (char *)kw_plan_buffer_address(s->plan, pv->buffer) + pv->offset;
+    PyObject *owner = b->source == KW__SRC_CONST ? PyList_GET_ITEM(s->prog->constants, b->index) : s->memory;
+    s->fixed[v] = kw__tensor_over(owner, &t);
+    return s->fixed[v] ? 0 : -1;
 }
 
 /* Decides once how view v becomes a tensor on each call. */
-static int plan_view(PlanObject *p, int v) {
-    const kw__program *prog = p->prog;
+static int plan_view(kw__state *s, int v) {
+    const kw__program *prog = s->prog;
     const kw__py_view *pv = &prog->views[v];
     const kw__py_buffer *b = &prog->buffers[pv->buffer];
-    kw__make *m = &p->make[v];
+    kw__make *m = &s->make[v];
     if (m->kind != MAKE_UNUSED) return 0;
     if (b->source != KW__SRC_OUTPUT && b->source != KW__SRC_INPUT) {
         m->kind = MAKE_FIXED;
-        return make_fixed(p, v);
+        return make_fixed(s, v);
     }
     const kw_tensor *whole = b->source == KW__SRC_OUTPUT ? &prog->outputs[b->index].t : &prog->inputs[b->index].t;
     const size_t es = kw_dtype_size(pv->t.dtype);
@@ -375,44 +488,48 @@ static int plan_view(PlanObject *p, int v) {
     return 0;
 }
 
-static int prepare(PlanObject *p) {
-    kw__program *prog = p->prog;
-    p->slots = PyMem_Calloc((size_t)kw_plan_n_slots(p->plan) + 1, sizeof *p->slots);
-    p->fresh = PyMem_Calloc((size_t)prog->n_outputs + 1, sizeof *p->fresh);
-    p->fixed = PyMem_Calloc((size_t)prog->n_views + 1, sizeof *p->fixed);
-    p->make = PyMem_Calloc((size_t)prog->n_views + 1, sizeof *p->make);
-    if (!p->slots || !p->fresh || !p->fixed || !p->make) {
+static int prepare(kw__state *s) {
+    kw__program *prog = s->prog;
+    s->slots = PyMem_Calloc((size_t)kw_plan_n_slots(s->plan) + 1, sizeof *s->slots);
+    s->fresh = PyMem_Calloc((size_t)prog->n_outputs + 1, sizeof *s->fresh);
+    s->fixed = PyMem_Calloc((size_t)prog->n_views + 1, sizeof *s->fixed);
+    s->make = PyMem_Calloc((size_t)prog->n_views + 1, sizeof *s->make);
+    if (!s->slots || !s->fresh || !s->fixed || !s->make) {
         PyErr_NoMemory();
         return -1;
     }
-    p->n_make = prog->n_views;
     for (int f = 0; f < prog->n_fallbacks; f++)
         for (int e = 0; e < prog->fallbacks[f].n_reads + prog->fallbacks[f].n_writes; e++)
-            if (plan_view(p, prog->fallbacks[f].views[e])) return -1;
+            if (plan_view(s, prog->fallbacks[f].views[e])) return -1;
     for (int r = 0; r < prog->n_returns; r++)
-        if (plan_view(p, prog->returns[r])) return -1;
-    return pool_get(p->n_threads) ? 0 : -1;
+        if (plan_view(s, prog->returns[r])) return -1;
+    return pool_get(s->n_threads) ? 0 : -1;
 }
 
 PyObject *kw__plan_new(kw_plan *plan, kw__program *prog, int n_threads) {
-    PyObject *memory = kw__memory_new(NULL, kw_plan_arena(plan), (Py_ssize_t)kw_plan_arena_bytes(plan), plan);
+    kw__state *s = PyMem_Calloc(1, sizeof *s);
+    PyObject *memory = s ? kw__memory_new(NULL, kw_plan_arena(plan), (Py_ssize_t)kw_plan_arena_bytes(plan), plan)
+                         : NULL;
     if (!memory) {
+        PyMem_Free(s);
         kw_plan_destroy(plan);
         kw__program_free(prog);
-        return NULL;
+        return s ? NULL : PyErr_NoMemory();
     }
+    *s = (kw__state){.memory = memory, .plan = plan, .prog = prog, .n_threads = n_threads};
     PlanObject *p = (PlanObject *)kw__PlanType.tp_alloc(&kw__PlanType, 0);
     if (!p) {
-        Py_DECREF(memory);
-        kw__program_free(prog);
+        state_free(s);
         return NULL;
     }
     p->vectorcall = plan_call;
-    p->memory = memory;
-    p->plan = plan;
-    p->prog = prog;
-    p->n_threads = n_threads;
-    if (prepare(p)) {
+    p->s = s;
+    p->lock = PyThread_allocate_lock();
+    if (!p->lock) {
+        Py_DECREF(p);
+        return PyErr_NoMemory();
+    }
+    if (prepare(s)) {
         Py_DECREF(p);
         return NULL;
     }
@@ -422,21 +539,17 @@ PyObject *kw__plan_new(kw_plan *plan, kw__program *prog, int n_threads) {
 static int plan_traverse(PyObject *self, visitproc visit, void *arg) {
     PlanObject *p = (PlanObject *)self;
     Py_VISIT(p->dict);
-    Py_VISIT(p->memory);
-    Py_VISIT(p->on_change);
-    for (int i = 0; p->fixed && p->prog && i < p->prog->n_views; i++) Py_VISIT(p->fixed[i]);
-    return kw__program_traverse(p->prog, visit, arg);
+    return state_traverse(p->s, visit, arg);
 }
 
+/* The state goes whole: a call in progress holds its own reference to the
+ * plan, so this never runs under one. */
 static int plan_clear(PyObject *self) {
     PlanObject *p = (PlanObject *)self;
     Py_CLEAR(p->dict);
-    Py_CLEAR(p->on_change);
-    p->n_watched = 0;
-    for (int i = 0; p->fixed && p->prog && i < p->prog->n_views; i++) Py_CLEAR(p->fixed[i]);
-    kw__program *prog = p->prog;
-    p->prog = NULL;
-    kw__program_free(prog);
+    kw__state *s = p->s;
+    p->s = NULL;
+    state_free(s);
     return 0;
 }
 
@@ -448,17 +561,7 @@ static void plan_dealloc(PyObject *self) {
     Py_XDECREF(p->exc_type);
     Py_XDECREF(p->exc_value);
     Py_XDECREF(p->exc_tb);
-    PyMem_Free(p->slots);
-    PyMem_Free(p->fresh);
-    PyMem_Free(p->fixed);
-    PyMem_Free(p->watched);
-    PyMem_Free(p->versions);
-    for (int v = 0; p->make && v < p->n_make; v++) {
-        Py_XDECREF(p->make[v].shape);
-        Py_XDECREF(p->make[v].stride);
-    }
-    PyMem_Free(p->make);
-    Py_XDECREF(p->memory); /* the last reference destroys the kw_plan */
+    if (p->lock) PyThread_free_lock(p->lock);
     Py_TYPE(self)->tp_free(self);
 }
 
@@ -474,10 +577,17 @@ static const char *source_name(int source) {
 }
 
 /* The Python side (arguments, returns) above the C listing. */
+/* The state of a plan that was not cleared, else NULL with PlanError. */
+static kw__state *live_state(PyObject *self) {
+    kw__state *s = ((PlanObject *)self)->s;
+    if (!s) kw__plan_error(KW_ESTATE, "the plan was cleared");
+    return s;
+}
+
 static PyObject *plan_dump(PyObject *self, PyObject *unused) {
-    PlanObject *p = (PlanObject *)self;
-    if (!p->prog) return kw__plan_error(KW_ESTATE, "the plan was cleared");
-    kw__program *prog = p->prog;
+    kw__state *s = live_state(self);
+    if (!s) return NULL;
+    kw__program *prog = s->prog;
     PyObject *lines = PyList_New(0), *line = NULL;
     if (!lines) return NULL;
 #define ADD(expr)                                                   \
@@ -486,20 +596,19 @@ static PyObject *plan_dump(PyObject *self, PyObject *unused) {
     ADD(PyUnicode_FromFormat("call: %d arguments, %d returns", prog->n_args, prog->n_returns));
     for (int i = 0; i < prog->n_inputs; i++) {
         const kw__py_input *in = &prog->inputs[i];
-        ADD(PyUnicode_FromFormat("  argument %d: %s '%U' %s %R strides %R -> slot %d%s", in->arg,
-                                 in->is_static ? "static input" : "input", in->name, kw_dtype_name(in->t.dtype),
-                                 in->shape_obj, in->stride_obj, in->slot,
-                                 in->is_static && !in->check_layout ? " (only its address is checked)" : ""));
+        ADD(PyUnicode_FromFormat("  argument %d: input '%U' %s %R strides %R -> slot %d", in->arg, in->name,
+                                 kw_dtype_name(in->t.dtype), in->shape_obj, in->stride_obj, in->slot));
     }
     for (int r = 0; r < prog->n_returns; r++) {
         const kw__py_view *v = &prog->views[prog->returns[r]];
         ADD(PyUnicode_FromFormat("  return %d: view %d of %s b%d + %zu%s", r, prog->returns[r],
                                  source_name(prog->buffers[v->buffer].source), v->buffer, v->offset,
-                                 p->make[prog->returns[r]].kind == MAKE_WHOLE        ? " (the tensor itself)"
-                                 : p->make[prog->returns[r]].kind == MAKE_AS_STRIDED ? " (as_strided)"
+                                 s->make[prog->returns[r]].kind == MAKE_WHOLE        ? " (the tensor itself)"
+                                 : s->make[prog->returns[r]].kind == MAKE_AS_STRIDED ? " (as_strided)"
                                                                                      : ""));
     }
-    char *text = kw_plan_dump(p->plan);
+    if (s->sources) ADD(PyUnicode_FromFormat("  %zd sources of copied weights, watched", PyList_GET_SIZE(s->sources)));
+    char *text = kw_plan_dump(s->plan);
     if (!text) {
         PyErr_NoMemory();
         goto fail;
@@ -520,16 +629,17 @@ fail:
 }
 
 static PyObject *plan_get_profile(PyObject *self, void *closure) {
-    PlanObject *p = (PlanObject *)self;
-    if (!kw_plan_profiling(p->plan)) Py_RETURN_NONE;
+    kw__state *s = live_state(self);
+    if (!s) return NULL;
+    if (!kw_plan_profiling(s->plan)) Py_RETURN_NONE;
     uint64_t runs;
-    const uint64_t *ns = kw_plan_profile(p->plan, &runs);
-    const int n = kw_plan_n_steps(p->plan);
+    const uint64_t *ns = kw_plan_profile(s->plan, &runs);
+    const int n = kw_plan_n_steps(s->plan);
     PyObject *steps = PyList_New(n);
     for (int i = 0; steps && i < n; i++) {
         const double total_us = (double)ns[i] / 1e3;
-        PyObject *d = Py_BuildValue("{s:i,s:s,s:s,s:d,s:d}", "step", i, "op", kw_plan_step_name(p->plan, i), "label",
-                                    kw_plan_step_label(p->plan, i), "total_us", total_us, "mean_us",
+        PyObject *d = Py_BuildValue("{s:i,s:s,s:s,s:d,s:d}", "step", i, "op", kw_plan_step_name(s->plan, i), "label",
+                                    kw_plan_step_label(s->plan, i), "total_us", total_us, "mean_us",
                                     runs ? total_us / (double)runs : 0.0);
         if (!d) Py_CLEAR(steps);
         else PyList_SET_ITEM(steps, i, d);
@@ -539,91 +649,72 @@ static PyObject *plan_get_profile(PyObject *self, void *closure) {
 }
 
 static PyObject *plan_get_profiling(PyObject *self, void *closure) {
-    return PyBool_FromLong(kw_plan_profiling(((PlanObject *)self)->plan));
+    kw__state *s = live_state(self);
+    return s ? PyBool_FromLong(kw_plan_profiling(s->plan)) : NULL;
 }
 
 static int plan_set_profiling(PyObject *self, PyObject *value, void *closure) {
     PlanObject *p = (PlanObject *)self;
     const int on = value ? PyObject_IsTrue(value) : 0;
-    if (on < 0) return -1;
-    if (p->busy) {
-        kw__plan_error(KW_EBUSY, "profiling cannot change while the plan is replaying");
+    if (on < 0 || !live_state(self)) return -1;
+    if (p->owner) {
+        kw__plan_error(KW_EBUSY, "profiling cannot change while the plan is being called");
         return -1;
     }
-    kw_plan_set_profiling(p->plan, on);
+    kw_plan_set_profiling(p->s->plan, on);
     return 0;
 }
 
 static PyObject *plan_get_int(PyObject *self, void *which) {
-    PlanObject *p = (PlanObject *)self;
+    kw__state *s = live_state(self);
+    if (!s) return NULL;
     switch ((intptr_t)which) {
-    case 0: return PyLong_FromLong(kw_plan_n_steps(p->plan));
-    case 1: return PyLong_FromLong(kw_plan_n_barriers(p->plan));
-    case 2: return PyLong_FromLong(kw_plan_n_threads(p->plan));
-    case 3: return PyLong_FromSize_t(kw_plan_arena_bytes(p->plan));
-    case 4: return PyLong_FromLong(p->prog ? p->prog->n_args : 0);
-    default: return PyLong_FromLong(p->prog ? p->prog->n_fallbacks : 0);
+    case 0: return PyLong_FromLong(kw_plan_n_steps(s->plan));
+    case 1: return PyLong_FromLong(kw_plan_n_barriers(s->plan));
+    case 2: return PyLong_FromLong(kw_plan_n_threads(s->plan));
+    case 3: return PyLong_FromSize_t(kw_plan_arena_bytes(s->plan));
+    case 4: return PyLong_FromLong(s->prog->n_args);
+    default: return PyLong_FromLong(s->prog->n_fallbacks);
     }
+}
+
+static PyObject *plan_get_last_call(PyObject *self, void *closure) {
+    const int64_t *t = ((PlanObject *)self)->timing_ns;
+    return Py_BuildValue("{s:d,s:d,s:d}", "check_us", (double)t[0] / 1e3, "replay_us", (double)t[1] / 1e3, "call_us",
+                         (double)t[2] / 1e3);
 }
 
 static PyObject *plan_repr(PyObject *self) {
-    PlanObject *p = (PlanObject *)self;
+    kw__state *s = ((PlanObject *)self)->s;
+    if (!s) return PyUnicode_FromString("<kwker._C.Plan: cleared>");
     return PyUnicode_FromFormat("<kwker._C.Plan: %d steps, %d barriers, %d threads, arena %zu B>",
-                                kw_plan_n_steps(p->plan), kw_plan_n_barriers(p->plan), kw_plan_n_threads(p->plan),
-                                kw_plan_arena_bytes(p->plan));
+                                kw_plan_n_steps(s->plan), kw_plan_n_barriers(s->plan), kw_plan_n_threads(s->plan),
+                                kw_plan_arena_bytes(s->plan));
 }
 
-static PyObject *plan_watch_versions(PyObject *self, PyObject *args) {
+static PyObject *plan_watch(PyObject *self, PyObject *args) {
     PlanObject *p = (PlanObject *)self;
-    PyObject *indices, *versions, *on_change;
-    if (!PyArg_ParseTuple(args, "OOO:watch_versions", &indices, &versions, &on_change)) return NULL;
-    if (!p->prog) return kw__plan_error(KW_ESTATE, "the plan was cleared");
-    if (!PyCallable_Check(on_change)) return PyErr_Format(PyExc_TypeError, "watch_versions: on_change must be callable");
-    PyObject *ind = PySequence_Fast(indices, "watch_versions: indices must be a sequence of ints");
-    PyObject *ver = ind ? PySequence_Fast(versions, "watch_versions: versions must be a sequence of ints") : NULL;
-    if (!ver) {
-        Py_XDECREF(ind);
+    PyObject *sources, *refresh;
+    if (!PyArg_ParseTuple(args, "O!O:watch", &PyList_Type, &sources, &refresh) || !live_state(self)) return NULL;
+    if (!PyCallable_Check(refresh)) return PyErr_Format(PyExc_TypeError, "watch: refresh must be callable");
+    if (p->owner) return kw__plan_error(KW_EBUSY, "watch: the plan is being called");
+    PyObject *old = p->s->sources;
+    p->s->sources = Py_NewRef(sources);
+    if (read_sources(p->s)) {
+        Py_SETREF(p->s->sources, old);
         return NULL;
     }
-    const Py_ssize_t n = PySequence_Fast_GET_SIZE(ind);
-    int *watched = PyMem_Calloc((size_t)n + 1, sizeof *watched);
-    int64_t *vers = PyMem_Calloc((size_t)n + 1, sizeof *vers);
-    int bad = !watched || !vers;
-    if (bad) PyErr_NoMemory();
-    else if (PySequence_Fast_GET_SIZE(ver) != n) {
-        PyErr_Format(PyExc_ValueError, "watch_versions: %zd indices but %zd versions", n, PySequence_Fast_GET_SIZE(ver));
-        bad = 1;
-    }
-    for (Py_ssize_t i = 0; !bad && i < n; i++) {
-        const long a = PyLong_AsLong(PySequence_Fast_GET_ITEM(ind, i));
-        vers[i] = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(ver, i));
-        if (PyErr_Occurred()) bad = 1;
-        else if (a < 0 || a >= p->prog->n_args) {
-            PyErr_Format(PyExc_ValueError, "watch_versions: argument %ld out of range (the plan takes %d)", a,
-                         p->prog->n_args);
-            bad = 1;
-        }
-        watched[i] = (int)a;
-    }
-    Py_DECREF(ind);
-    Py_DECREF(ver);
-    if (bad) {
-        PyMem_Free(watched);
-        PyMem_Free(vers);
-        return NULL;
-    }
-    PyMem_Free(p->watched);
-    PyMem_Free(p->versions);
-    p->watched = watched, p->versions = vers, p->n_watched = (int)n;
-    Py_XSETREF(p->on_change, Py_NewRef(on_change));
+    Py_XDECREF(old);
+    Py_XSETREF(p->s->refresh, Py_NewRef(refresh));
     Py_RETURN_NONE;
 }
 
 static PyMethodDef plan_methods[] = {
-    {"watch_versions", plan_watch_versions, METH_VARARGS,
-     "watch_versions(indices, versions, on_change): before a call runs, if the tensor version of any argument\n"
-     "in indices differs from the one recorded (versions, then what the last check saw), on_change(args)\n"
-     "is called with the call's arguments, e.g. to refresh a copy of a weight changed in place."},
+    {"watch", plan_watch, METH_VARARGS,
+     "watch(sources, refresh): sources is a list of (argument index, Watch) for the arguments kwker copied\n"
+     "weights from. Before each call, if an argument is not its watch's memory and layout, or that memory\n"
+     "was written, refresh(args) is called with the call's arguments; it brings the copies and the list up\n"
+     "to date and returns None, or returns a new Plan, whose state this plan then takes over."},
     {"dump", plan_dump, METH_NOARGS,
      "dump() -> str: arguments and returns, then buffers (kind, bytes, arena offset, live range) and steps\n"
      "(op, views, barriers, bytes read and written)."},
@@ -635,6 +726,10 @@ static PyGetSetDef plan_getset[] = {
      "Per-step timing on or off (setting it clears the counters). On, every step is followed by a barrier.", NULL},
     {"profile", plan_get_profile, NULL,
      "None when profiling is off, else {'replays': n, 'steps': [{'step', 'op', 'label', 'total_us', 'mean_us'}]}.",
+     NULL},
+    {"last_call", plan_get_last_call, NULL,
+     "The last call's wall time in µs: {'check_us': sources and inputs checked and bound, outputs made;\n"
+     "'replay_us': the replay; 'call_us': the whole call}.",
      NULL},
     {"n_steps", plan_get_int, NULL, "Steps in the plan.", (void *)0},
     {"n_barriers", plan_get_int, NULL, "Barriers one replay passes.", (void *)1},

@@ -2,9 +2,12 @@
  * through their Python attributes, and tensors made over kwker's memory with
  * torch.frombuffer on a small buffer-protocol object that keeps the memory's
  * owner alive. */
+#include <dlfcn.h>
 #include <pthread.h>
 #include <stdarg.h>
 #include <stdatomic.h>
+#include <stdio.h>
+#include <string.h>
 #include <unistd.h>
 
 #include "kw_binding.h"
@@ -33,6 +36,8 @@ static int intern(PyObject **slot, const char *s) {
     *slot = PyUnicode_InternFromString(s);
     return *slot ? 0 : -1;
 }
+
+static void shim_init(PyObject *torch);
 
 static int get_attr(PyObject **slot, PyObject *obj, const char *name) {
     *slot = PyObject_GetAttrString(obj, name);
@@ -67,6 +72,7 @@ int kw__torch_init(void) {
         return -1;
     }
     kw__t = t;
+    shim_init(torch);
     return 0;
 }
 
@@ -115,11 +121,12 @@ PyObject *kw__int64_tuple(const int64_t *v, int n) {
     return t;
 }
 
-int kw__tensor_read(PyObject *t, const char *what, kw_tensor *out) {
-    if (!PyObject_TypeCheck(t, kw__t.tensor_type)) {
-        PyErr_Format(PyExc_TypeError, "%s must be a torch.Tensor, not %.100s", what, Py_TYPE(t)->tp_name);
-        return -1;
-    }
+/* ---- reading a tensor ----------------------------------------------------------------- */
+
+/* Through its Python attributes: about 1 µs a tensor (each attribute of a
+ * torch.nn.Parameter first looks for a __torch_function__ override). Also
+ * where every error message comes from. */
+static int tensor_read_python(PyObject *t, const char *what, kw_tensor *out) {
     PyObject *is_cpu = PyObject_GetAttr(t, kw__t.s_is_cpu);
     if (!is_cpu) return -1;
     Py_DECREF(is_cpu);
@@ -148,6 +155,136 @@ int kw__tensor_read(PyObject *t, const char *what, kw_tensor *out) {
     Py_DECREF(ptr);
     return out->data == NULL && PyErr_Occurred() ? -1 : 0;
 }
+
+/* Through PyTorch's stable C shim (torch/csrc/inductor/aoti_torch/c/shim.h, the
+ * C ABI that AOTInductor's compiled models call; declared here, not included,
+ * and looked up in the libtorch_cpu already loaded). It reads a tensor given an
+ * AtenTensorHandle, which is an at::Tensor*; a torch.Tensor's Python object
+ * holds its at::Tensor at a fixed offset (THPVariable.cdata). That offset is
+ * found once, by looking for the TensorImpl pointer Tensor._cdata returns, and
+ * every reading is checked against Python's on probe tensors; if anything
+ * differs, tensors are read through Python instead. Tens of ns a tensor. */
+typedef int32_t (*shim_get_ptr_fn)(void *tensor, void **out);
+typedef int32_t (*shim_get_i64_fn)(void *tensor, int64_t *out);
+typedef int32_t (*shim_get_i64s_fn)(void *tensor, int64_t **out);
+typedef int32_t (*shim_get_i32_fn)(void *tensor, int32_t *out);
+
+static struct {
+    int ok;
+    Py_ssize_t offset; /* of the at::Tensor in a tensor's Python object */
+    int32_t cpu;
+    int32_t dtype_code[KW_DTYPE_COUNT];
+    shim_get_ptr_fn data_ptr;
+    shim_get_i64_fn dim;
+    shim_get_i64s_fn sizes, strides;
+    shim_get_i32_fn dtype, device_type;
+} shim;
+
+/* 0 on success; -1 when the shim cannot say (the Python path then decides). */
+static int tensor_read_shim(PyObject *t, kw_tensor *out) {
+    void *h = (char *)t + shim.offset;
+    int64_t ndim, *sizes, *strides;
+    int32_t dtype, device;
+    if (shim.device_type(h, &device) || device != shim.cpu || shim.dtype(h, &dtype) || shim.dim(h, &ndim) ||
+        ndim > KW_MAX_DIMS || shim.sizes(h, &sizes) || shim.strides(h, &strides) || shim.data_ptr(h, &out->data))
+        return -1;
+    int d = 0;
+    while (d < KW_DTYPE_COUNT && shim.dtype_code[d] != dtype) d++;
+    if (d == KW_DTYPE_COUNT) return -1;
+    out->dtype = (kw_dtype)d;
+    out->ndim = (int)ndim;
+    memcpy(out->shape, sizes, (size_t)ndim * sizeof *sizes);
+    memcpy(out->stride, strides, (size_t)ndim * sizeof *strides);
+    return 0;
+}
+
+int kw__tensor_read_quick(PyObject *t, kw_tensor *out) {
+    return shim.ok && PyObject_TypeCheck(t, kw__t.tensor_type) ? tensor_read_shim(t, out) : -1;
+}
+
+int kw__tensor_read(PyObject *t, const char *what, kw_tensor *out) {
+    if (!PyObject_TypeCheck(t, kw__t.tensor_type)) {
+        PyErr_Format(PyExc_TypeError, "%s must be a torch.Tensor, not %.100s", what, Py_TYPE(t)->tp_name);
+        return -1;
+    }
+    if (shim.ok && tensor_read_shim(t, out) == 0) return 0;
+    return tensor_read_python(t, what, out);
+}
+
+static int same_reading(const kw_tensor *a, const kw_tensor *b) {
+    if (a->data != b->data || a->dtype != b->dtype || a->ndim != b->ndim) return 0;
+    for (int d = 0; d < a->ndim; d++)
+        if (a->shape[d] != b->shape[d] || a->stride[d] != b->stride[d]) return 0;
+    return 1;
+}
+
+/* The shim agrees with Python on a probe: its offset found, its readings equal. */
+static int shim_check(PyObject *probe) {
+    PyObject *impl_obj = PyObject_GetAttrString(probe, "_cdata");
+    void *impl = impl_obj ? PyLong_AsVoidPtr(impl_obj) : NULL;
+    Py_XDECREF(impl_obj);
+    if (!impl) return 0;
+    Py_ssize_t at = -1;
+    for (Py_ssize_t off = sizeof(PyObject); off < (Py_ssize_t)sizeof(PyObject) + 64 && at < 0; off += sizeof(void *))
+        if (*(void **)((char *)probe + off) == impl) at = off;
+    if (at < 0 || (shim.offset && at != shim.offset)) return 0;
+    shim.offset = at;
+    kw_tensor fast, slow;
+    return tensor_read_shim(probe, &fast) == 0 && tensor_read_python(probe, "probe", &slow) == 0 &&
+           same_reading(&fast, &slow);
+}
+
+static void *shim_symbol(void *lib, const char *name) { return lib ? dlsym(lib, name) : NULL; }
+
+/* Called once torch is imported; failures leave shim.ok at 0, never an error. */
+static void shim_init(PyObject *torch) {
+    PyObject *file = PyObject_GetAttrString(torch, "__file__");
+    const char *torch_init = file ? PyUnicode_AsUTF8(file) : NULL;
+    char lib_path[4096] = "";
+    if (torch_init) {
+        const char *slash = strrchr(torch_init, '/');
+        if (slash) snprintf(lib_path, sizeof lib_path, "%.*s/lib/libtorch_cpu.so", (int)(slash - torch_init), torch_init);
+    }
+    Py_XDECREF(file);
+    PyErr_Clear();
+    void *lib = lib_path[0] ? dlopen(lib_path, RTLD_NOW | RTLD_NOLOAD) : NULL;
+    shim.data_ptr = (shim_get_ptr_fn)shim_symbol(lib, "aoti_torch_get_data_ptr");
+    shim.dim = (shim_get_i64_fn)shim_symbol(lib, "aoti_torch_get_dim");
+    shim.sizes = (shim_get_i64s_fn)shim_symbol(lib, "aoti_torch_get_sizes");
+    shim.strides = (shim_get_i64s_fn)shim_symbol(lib, "aoti_torch_get_strides");
+    shim.dtype = (shim_get_i32_fn)shim_symbol(lib, "aoti_torch_get_dtype");
+    shim.device_type = (shim_get_i32_fn)shim_symbol(lib, "aoti_torch_get_device_type");
+    int32_t (*cpu)(void) = (int32_t(*)(void))shim_symbol(lib, "aoti_torch_device_type_cpu");
+    static const char *const dtype_fns[KW_DTYPE_COUNT] = {
+        [KW_F32] = "aoti_torch_dtype_float32", [KW_BF16] = "aoti_torch_dtype_bfloat16",
+        [KW_F16] = "aoti_torch_dtype_float16", [KW_I64] = "aoti_torch_dtype_int64",
+        [KW_I32] = "aoti_torch_dtype_int32",   [KW_BOOL] = "aoti_torch_dtype_bool",
+        [KW_U8] = "aoti_torch_dtype_uint8",
+    };
+    int found = lib && shim.data_ptr && shim.dim && shim.sizes && shim.strides && shim.dtype && shim.device_type && cpu;
+    for (int d = 0; found && d < KW_DTYPE_COUNT; d++) {
+        int32_t (*code)(void) = (int32_t(*)(void))shim_symbol(lib, dtype_fns[d]);
+        if (!code) found = 0;
+        else shim.dtype_code[d] = code();
+    }
+    if (lib) dlclose(lib); /* RTLD_NOLOAD: only drops the reference this took */
+    if (!found) return;
+    shim.cpu = cpu();
+    /* Probes: a strided view, a Parameter (a Python subclass), a bfloat16 scalar. */
+    PyObject *globals = Py_BuildValue("{sOsO}", "t", torch, "__builtins__", PyEval_GetBuiltins());
+    PyObject *probes = globals ? PyRun_String("[t.empty_strided((2, 3), (1, 2)), t.empty(5, 4)[1:, ::2], "
+                                              "t.nn.Parameter(t.empty(7)), t.zeros((), dtype=t.bfloat16)]",
+                                              Py_eval_input, globals, globals)
+                               : NULL;
+    Py_XDECREF(globals);
+    int ok = probes != NULL && PyList_Check(probes);
+    for (Py_ssize_t i = 0; ok && i < PyList_GET_SIZE(probes); i++) ok = shim_check(PyList_GET_ITEM(probes, i));
+    Py_XDECREF(probes);
+    PyErr_Clear();
+    shim.ok = ok;
+}
+
+int kw__tensor_read_is_fast(void) { return shim.ok; }
 
 int64_t kw__layout_extent(const kw_tensor *t) {
     int64_t last = 0, span;

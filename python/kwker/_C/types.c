@@ -22,5 +22,8 @@ int kw__module_add_types(PyObject *module) {
     KW_ERRORS(KW__ADD_CODE)
 #undef KW__ADD_CODE
     if (PyType_Ready(&kw__MemoryType) < 0) return -1;
-    return add_type(module, &kw__PlanBuilderType, "PlanBuilder") || add_type(module, &kw__PlanType, "Plan") ? -1 : 0;
+    return add_type(module, &kw__PlanBuilderType, "PlanBuilder") || add_type(module, &kw__PlanType, "Plan") ||
+                   add_type(module, &kw__WatchType, "Watch")
+               ? -1
+               : 0;
 }

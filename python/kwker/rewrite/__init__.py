@@ -10,23 +10,26 @@ import logging
 import torch
 
 from kwker.rewrite.attention import fuse_decode_attention
-from kwker.rewrite.linear import (PackedWeight, WeightArena, copied_weight_bytes, pack_weights, pack_weights_dtype,
-                                  rewrite_linears)
+from kwker.rewrite.linear import reserved_copy_bytes, rewrite_linears
 from kwker.rewrite.rms_norm import fuse_residual_add, fuse_rms_norm
 from kwker.rewrite.rotary import fuse_rotary
 from kwker.rewrite.silu_mul import fuse_silu_mul
+from kwker.weights import CopiedWeight, WeightArena
 
-__all__ = ["PackedWeight", "WeightArena", "copied_weight_bytes", "pack_weights", "pack_weights_dtype",
-           "rewrite_language_model"]
+__all__ = ["reserved_copy_bytes", "rewrite_language_model"]
 
 log = logging.getLogger(__name__)
 
 
-def rewrite_language_model(gm: torch.fx.GraphModule, params: dict[str, torch.Tensor], glue: bool = True,
-                           arena: WeightArena | None = None) -> dict[str, int]:
-    """params: placeholder name -> the real parameter. glue=False keeps the
-    model's own norm, rotary and SiLU·mul as plain ops. arena: where the
-    weight copies go."""
+def rewrite_language_model(gm: torch.fx.GraphModule, params: dict[str, torch.Tensor] | None = None,
+                           glue: bool = True,
+                           arena: WeightArena | None = None) -> tuple[dict[str, int], list[CopiedWeight]]:
+    """glue=False keeps the model's own norm, rotary and SiLU·mul as plain ops.
+    params (placeholder name -> the real parameter) is given for a graph a plan
+    will replay, whose linears then read kwker's weight copies where those read
+    fewer bytes (kwker.weights), cut from arena; the plan keeps them fresh.
+    Other graphs keep their linears: nothing would keep a copy fresh there.
+    Returns how many places each pass changed, and the copies made."""
     counts = {"decode_attention": fuse_decode_attention(gm)}
     if glue:
         counts["rms_norm"] = fuse_rms_norm(gm)
@@ -34,9 +37,11 @@ def rewrite_language_model(gm: torch.fx.GraphModule, params: dict[str, torch.Ten
         counts["add_rms_norm"] = fuse_residual_add(gm)
         counts["rotary"] = fuse_rotary(gm)
         counts["silu_mul"] = fuse_silu_mul(gm)
-    counts["linear"] = rewrite_linears(gm, params, arena=arena)
+    copies: list[CopiedWeight] = []
+    if params is not None:
+        counts["linear"], copies = rewrite_linears(gm, params, arena=arena)
     gm.graph.eliminate_dead_code()
     gm.graph.lint()
     gm.recompile()
     log.debug("rewrites: %s", counts)
-    return counts
+    return counts, copies

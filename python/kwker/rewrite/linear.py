@@ -1,130 +1,54 @@
-"""Linear layers: weights that read fewer bytes, and linears sharing an input as one call.
+"""Linear layers in a graph a plan will replay: each becomes kwker.linear, and
+linears that read the same input (q/k/v, gate/up) one kwker.linear_n over their
+weights stacked.
 
-A float32 weight whose every value is exactly a bfloat16 value (a bf16
-checkpoint loaded in float32) gets a bfloat16 copy: exact, half the bytes. Other
-weights are used as stored. Linears that read the same input (q/k/v, gate/up)
-become one linear_n over their weights stored back to back.
+How each weight is stored (as stored, or a copy: bf16, stacked, K-blocked) is
+kwker.weights' decision; this pass finds the linears, groups them and puts the
+copies into the graph as attributes.
 """
 
-import math
 import operator
-from collections import Counter
 from dataclasses import dataclass
 
 import torch
 
-from kwker import _C
+from kwker import weights
 from kwker.custom_ops import ops
 from kwker.rewrite.match import aten, is_call, val
 
 
-@dataclass
-class PackedWeight:
-    """A weight (or a stacked bias) kwker made from the model's own: which
-    placeholders it came from and their version counters when it was made, so a
-    parameter changed in place is packed again before the next call."""
-
-    attr: str
-    sources: list[str]  # placeholder names, in the order they are stacked
-    versions: list[int]
-
-
-def is_bf16_valued(w: torch.Tensor) -> bool:
-    return w.dtype == torch.float32 and w.device.type == "cpu" and _C.bf16_exact(w.detach().contiguous())
-
-
-def pack_weights_dtype(weights: list[torch.Tensor]) -> torch.dtype:
-    """bfloat16 when every weight is bf16 or exactly bf16-valued, else as stored."""
-    to_bf16 = all(w.dtype == torch.bfloat16 or is_bf16_valued(w) for w in weights)
-    return torch.bfloat16 if to_bf16 else weights[0].dtype
-
-
-def weight_empty(shape, dtype: torch.dtype) -> torch.Tensor:
-    """Memory for a weight kwker streams: kw_mem's, on 2 MiB pages where the
-    kernel gives them (PyTorch's allocations get 4 KiB pages unless THP is
-    "always"), zeroed."""
-    nbytes = math.prod(shape) * dtype.itemsize
-    if nbytes == 0:
-        return torch.zeros(shape, dtype=dtype)
-    return torch.frombuffer(_C.weight_memory(nbytes), dtype=dtype).view(shape)
-
-
-class WeightArena:
-    """The memory of the weights kwker copies for one graph, reserved before the
-    graph is traced to ATen and faulted in meanwhile by a thread of _C's: fresh
-    memory faulted in at 0.5-1 GB/s on the VMs measured, about 1.5 s of a first
-    compile for SmolLM2-360M's 724 MB of copies, now on the otherwise idle
-    core. Copies are cut from it in order; close() returns the unused tail."""
-
-    def __init__(self, nbytes: int):
-        self.memory = _C.weight_reserve(nbytes) if nbytes else None
-        self.capacity, self.used = nbytes, 0
-
-    def empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
-        count = math.prod(shape)
-        start = -(-self.used // 64) * 64
-        end = start + count * dtype.itemsize
-        if self.memory is None or count == 0 or end > self.capacity:
-            return weight_empty(shape, dtype)
-        self.used = end
-        return torch.frombuffer(self.memory, dtype=dtype, count=count, offset=start).view(shape)
-
-    def close(self) -> None:
-        if self.memory is not None:
-            self.memory.trim(self.used)
-
-
-def copied_weight_bytes(gm: torch.fx.GraphModule, example_inputs) -> int:
-    """What rewrite_linears will copy, read off Dynamo's graph: the bf16-valued
-    float32 linear weights as bfloat16, and the other weights and the biases of
-    linears that share an input (stacked). The exactness scan runs again in the
-    rewrite (on the ATen graph); at ~18 GB/s it costs less than reserving memory
-    for a float32 model's weights that are never copied."""
+def reserved_copy_bytes(gm: torch.fx.GraphModule, example_inputs) -> int:
+    """What rewrite_linears will copy, read off Dynamo's graph before the ATen
+    trace exists (weights.copy_bytes on the same groups), so that the memory
+    faults in while the trace runs."""
     inputs = dict(zip((n for n in gm.graph.nodes if n.op == "placeholder"), example_inputs))
     linears = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is torch._C._nn.linear
                and len(n.args) > 1 and isinstance(inputs.get(n.args[1]), torch.Tensor)]
-    sharing = Counter(n.args[0] for n in linears)
-    copied = {}
+    groups: dict = {}
     for n in linears:
-        w, stacked = inputs[n.args[1]], sharing[n.args[0]] > 1
+        w = inputs[n.args[1]]
         bias = inputs.get(n.args[2]) if len(n.args) > 2 else None  # Dynamo passes nn.Linear's bias positionally
-        if is_bf16_valued(w):
-            copied[id(w)] = w.numel() * 2 + 64
-        elif stacked:
-            copied[id(w)] = w.nbytes + 64
-        if stacked and isinstance(bias, torch.Tensor):
-            copied[id(bias)] = bias.nbytes + 64
-    return sum(copied.values())
+        groups.setdefault((n.args[0], w.dtype, bias is None), []).append((w, bias))
+    total = 0
+    for members in groups.values():
+        total += weights.copy_bytes([w for w, _ in members], [b for _, b in members if isinstance(b, torch.Tensor)])
+    return total
 
 
-def pack_weights(weights: list[torch.Tensor], dtype: torch.dtype, arena: WeightArena | None = None) -> torch.Tensor:
-    """The bytes kwker reads for these weights (dtype: pack_weights_dtype's),
-    stacked by rows, converted while copied: one pass, no intermediate copy."""
-    shape = (sum(w.shape[0] for w in weights), *weights[0].shape[1:])
-    packed = arena.empty(shape, dtype) if arena else weight_empty(shape, dtype)
-    row = 0
-    for w in weights:
-        packed[row:row + w.shape[0]].copy_(w.detach())
-        row += w.shape[0]
-    return packed
-
-
-def rewrite_linears(gm: torch.fx.GraphModule, params: dict[str, torch.Tensor], fuse: bool = True,
-                    arena: WeightArena | None = None) -> int:
+def rewrite_linears(gm: torch.fx.GraphModule, params: dict[str, torch.Tensor],
+                    arena: weights.WeightArena | None = None) -> tuple[int, list[weights.CopiedWeight]]:
     """params: placeholder name -> the real parameter tensor; arena: where the
-    copies go (else memory of their own). Every copy made is listed in
-    gm.meta["kwker_packed"]."""
-    linears = [_match_linear(n, params) for n in gm.graph.nodes]
-    linears = [m for m in linears if m]
-    groups = _group_by_input(linears) if fuse else [[m] for m in linears]
-    gm.meta.setdefault("kwker_packed", [])
-    for group in groups:
-        dtype = pack_weights_dtype([params[m.weight.name] for m in group])
-        if len(group) == 1 and dtype == val(group[0].weight).dtype:
+    copies go. Returns how many linears were rewritten and the copies made
+    (also graph attributes)."""
+    linears = [m for m in (_match_linear(n, params) for n in gm.graph.nodes) if m]
+    copies: list[weights.CopiedWeight] = []
+    for group in _group_by_input(linears):
+        storage = weights.decide([params[m.weight.name] for m in group])
+        if storage is None:
             _rewrite_single_as_stored(gm.graph, group[0])
         else:
-            _rewrite_group(gm, group, params, dtype, arena)
-    return len(linears)
+            _rewrite_group(gm, group, params, storage, arena, copies)
+    return len(linears), copies
 
 
 def _rewrite_single_as_stored(graph, m: "_Linear") -> None:
@@ -177,14 +101,15 @@ def _group_by_input(linears):
     return list(groups.values())
 
 
-def _rewrite_group(gm, group: list[_Linear], params, dtype: torch.dtype, arena) -> None:
+def _rewrite_group(gm, group: list[_Linear], params, storage: weights.Storage, arena, copies) -> None:
     graph = gm.graph
     first = group[0].node
     with graph.inserting_before(first):
-        w_node = _packed_node(gm, [m.weight for m in group], params, dtype, arena)
+        w_node = _copy_node(gm, [m.weight for m in group], params, storage, arena, copies)
         bias = group[0].bias
         if bias is not None and len(group) > 1:
-            bias = _packed_node(gm, [m.bias for m in group], params, val(bias).dtype, arena)
+            biases = [m.bias for m in group]
+            bias = _copy_node(gm, biases, params, weights.bias_storage([params[b.name] for b in biases]), arena, copies)
         if len(group) == 1:
             new = graph.call_function(ops.linear.default, (group[0].x, w_node, bias))
             new.meta["val"] = val(first)
@@ -200,20 +125,15 @@ def _rewrite_group(gm, group: list[_Linear], params, dtype: torch.dtype, arena) 
                 m.node.replace_all_uses_with(item)
 
 
-def _packed_node(gm, sources: list[torch.fx.Node], params, dtype: torch.dtype, arena) -> torch.fx.Node:
-    """A get_attr of the sources' parameters packed (pack_weights), recorded in
-    gm.meta["kwker_packed"] to be packed again when one changes in place."""
-    packed = gm.meta["kwker_packed"]
-    attr = f"kwker_weight_{len(packed)}"
-    gm.register_buffer(attr, pack_weights([params[s.name] for s in sources], dtype, arena))
+def _copy_node(gm, sources: list[torch.fx.Node], params, storage: weights.Storage, arena, copies) -> torch.fx.Node:
+    """A get_attr of the sources' copy. Its fake value is the copy as the op
+    reads it, [N, K]; a K-blocked copy's real layout is in its CopiedWeight."""
+    attr = f"kwker_weight_{len(copies)}"
+    copy = weights.make_copy(attr, [s.name for s in sources], [params[s.name] for s in sources], storage, arena)
+    copies.append(copy)
+    gm.register_buffer(attr, copy.copy)
     node = gm.graph.get_attr(attr)
-    node.meta["val"] = _fake_like(val(sources[0]), getattr(gm, attr))
-    packed.append(PackedWeight(attr, [s.name for s in sources], [params[s.name]._version for s in sources]))
+    rows = sum(val(s).shape[0] for s in sources)
+    with val(sources[0]).fake_mode:  # made fresh: converting the real tensor took 1-4 ms each
+        node.meta["val"] = torch.empty((rows, *val(sources[0]).shape[1:]), dtype=storage.dtype)
     return node
-
-
-def _fake_like(template_fake: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
-    """A fake tensor in the graph's fake mode with the real tensor's metadata (made
-    fresh: converting the real tensor took 1-4 ms each inside a compile)."""
-    with template_fake.fake_mode:
-        return torch.empty_strided(real.shape, real.stride(), dtype=real.dtype)

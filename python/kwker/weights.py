@@ -1,0 +1,217 @@
+"""How a replayed plan stores the weights its linears read, decided once per
+linear, and how its copies are kept equal to the model's weights.
+
+A weight is read as stored (the model's own tensor, bound on every call) unless
+a copy reads fewer bytes or fewer calls:
+- a float32 weight whose every value is exactly a bfloat16 value (a bf16
+  checkpoint loaded in float32) gets a bfloat16 copy: exact, half the bytes;
+- linears that read the same input (q/k/v, gate/up) get one copy of their
+  weights stacked by rows, and of their biases, and run as one call;
+- a copy whose inner size K suits it is stored K-blocked, [K/B, N, B]
+  (kw_ops.h says why).
+
+A copy must never be read stale. Every source of a copy is watched
+(kwker._C.Watch: its pages are made read-only and the first write re-opens them
+and is recorded; the partial pages at its ends are compared), because a
+version counter misses `param.data.mul_(2)` and `param.data = other`. Before
+each call the plan checks its sources (the same memory, the same layout, not
+written) and asks `CopiedWeights.refresh` to pack again what changed, or, when a
+copy can no longer be made the same way (a weight that is no longer
+bf16-valued), to have the plan rebuilt.
+
+This module is the only place that decides, makes, lays out or refreshes a
+copy. The one change kwker makes to a model's own tensors is elsewhere:
+lower.py asks the kernel to back weights read as stored with huge pages, in
+place (contents unchanged).
+"""
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from kwker import _C
+
+
+@dataclass(frozen=True)
+class Storage:
+    """How one linear's weight, or a group's stacked, is stored: a copy of this
+    dtype, K-blocked by `block` (0: as [N, K])."""
+
+    dtype: torch.dtype
+    block: int
+
+
+def is_bf16_valued(w: torch.Tensor) -> bool:
+    return w.dtype == torch.float32 and w.device.type == "cpu" and _C.bf16_exact(w.detach().contiguous())
+
+
+def copy_dtype(weights: list[torch.Tensor]) -> torch.dtype:
+    """bfloat16 when every weight is bf16 or exactly bf16-valued, else as stored."""
+    to_bf16 = all(w.dtype == torch.bfloat16 or is_bf16_valued(w) for w in weights)
+    return torch.bfloat16 if to_bf16 else weights[0].dtype
+
+
+def decide(weights: list[torch.Tensor]) -> Storage | None:
+    """The storage for the weights of linears that share an input (one weight
+    when none does), or None: read as stored."""
+    dtype = copy_dtype(weights)
+    if len(weights) == 1 and dtype == weights[0].dtype:
+        return None
+    return Storage(dtype, _C.linear_block(weights[0].shape[1]) if weights[0].dim() == 2 else 0)
+
+
+def bias_storage(biases: list[torch.Tensor]) -> Storage:
+    """Biases of a stacked group: stacked, as stored."""
+    return Storage(biases[0].dtype, 0)
+
+
+def copy_bytes(weights: list[torch.Tensor], biases: list[torch.Tensor]) -> int:
+    """What decide() will copy for a group, for the memory reserved up front."""
+    storage = decide(weights)
+    if storage is None:
+        return 0
+    nbytes = sum(w.numel() for w in weights) * storage.dtype.itemsize + 64
+    if len(weights) > 1 and biases:
+        nbytes += sum(b.nbytes for b in biases) + 64
+    return nbytes
+
+
+# ---- memory ------------------------------------------------------------------------------
+
+
+def weight_empty(shape, dtype: torch.dtype) -> torch.Tensor:
+    """Memory for a weight kwker streams: kw_mem's, on 2 MiB pages where the
+    kernel gives them (PyTorch's allocations get 4 KiB pages unless THP is
+    "always"), zeroed."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    return torch.frombuffer(_C.weight_memory(nbytes), dtype=dtype).view(shape)
+
+
+class WeightArena:
+    """The memory of the weights kwker copies for one graph, reserved before the
+    graph is traced to ATen and faulted in meanwhile by a thread of _C's: fresh
+    memory faulted in at 0.5-1 GB/s on the VMs measured, about 1.5 s of a first
+    compile for SmolLM2-360M's 724 MB of copies, now on the otherwise idle
+    core. Copies are cut from it in order; close() returns the unused tail."""
+
+    def __init__(self, nbytes: int):
+        self.memory = _C.weight_reserve(nbytes) if nbytes else None
+        self.capacity, self.used = nbytes, 0
+        self._scratch = torch.empty(0)
+
+    def empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        count = math.prod(shape)
+        start = -(-self.used // 64) * 64
+        end = start + count * dtype.itemsize
+        if self.memory is None or count == 0 or end > self.capacity:
+            return weight_empty(shape, dtype)
+        self.used = end
+        return torch.frombuffer(self.memory, dtype=dtype, count=count, offset=start).view(shape)
+
+    def scratch(self, count: int, dtype: torch.dtype) -> torch.Tensor:
+        """One buffer for every K-blocking to go through (fresh memory faults in slowly)."""
+        if self._scratch.numel() < count or self._scratch.dtype != dtype:
+            self._scratch = torch.empty(count, dtype=dtype)
+        return self._scratch[:count]
+
+    def close(self) -> None:
+        if self.memory is not None:
+            self.memory.trim(self.used)
+        self._scratch = torch.empty(0)
+
+
+# ---- copies ------------------------------------------------------------------------------
+
+
+def copy_shape(sources: list[torch.Tensor], storage: Storage) -> tuple[int, ...]:
+    rows = sum(s.shape[0] for s in sources)
+    if storage.block:
+        k = sources[0].shape[1]
+        return (k // storage.block, rows, storage.block)
+    return (rows, *sources[0].shape[1:])
+
+
+def fill_copy(copy: torch.Tensor, sources: list[torch.Tensor], storage: Storage, scratch: torch.Tensor | None = None):
+    """Writes the sources, stacked by rows and converted, into copy (in its
+    layout). scratch: copy.numel() elements of its dtype to go through when
+    K-blocked."""
+    if not storage.block:
+        row = 0
+        for s in sources:
+            copy[row:row + s.shape[0]].copy_(s.detach())
+            row += s.shape[0]
+        return
+    kb, n, b = copy.shape
+    flat = scratch if scratch is not None else torch.empty(copy.numel(), dtype=copy.dtype)
+    stacked = flat.view(n, kb * b)
+    row = 0
+    for s in sources:
+        stacked[row:row + s.shape[0]].copy_(s.detach())
+        row += s.shape[0]
+    copy.copy_(stacked.view(n, kb, b).transpose(0, 1))
+
+
+@dataclass
+class CopiedWeight:
+    """A copy kwker made of one weight, or of a group's weights or biases stacked."""
+
+    attr: str  # the graph attribute that holds it
+    sources: list[str]  # the graph inputs it is made from, stacked in this order
+    storage: Storage
+    copy: torch.Tensor
+    watches: list = field(default_factory=list)  # a kwker._C.Watch per source
+
+    def refresh(self, tensors: list[torch.Tensor]) -> bool:
+        """Packs the copy again from tensors (the sources' current values),
+        watching them afresh first; False when it cannot be made the same way
+        (another dtype, shape or storage decision): the plan is rebuilt then."""
+        for t, w in zip(tensors, self.watches):
+            if tuple(t.shape) != tuple(w.tensor.shape) or t.dtype != w.tensor.dtype:
+                return False
+        if self.storage.dtype != copy_dtype(tensors) and self.storage.dtype == torch.bfloat16:
+            return False
+        for i, t in enumerate(tensors):
+            if _C.read_tensor(t) == _C.read_tensor(self.watches[i].tensor):
+                self.watches[i].rearm()  # the same memory, written: watch afresh, then copy
+            else:
+                self.watches[i] = _C.Watch(t)
+        fill_copy(self.copy, tensors, self.storage)
+        return True
+
+
+class CopiedWeights:
+    """The copies one plan reads, and the list of their watched sources that the
+    plan checks before each call (kwker._C.Plan.watch)."""
+
+    def __init__(self, copies: list[CopiedWeight], arg_index: dict[str, int]):
+        self.copies = copies
+        self.arg_index = arg_index
+        self.sources = []
+        for c in copies:
+            self.sources += [(arg_index[name], w) for name, w in zip(c.sources, c.watches)]
+
+    def refresh(self, args) -> bool:
+        """Brings every copy whose sources changed up to date; False when one
+        cannot be (the plan must be rebuilt)."""
+        for c in self.copies:
+            tensors = [args[self.arg_index[name]] for name in c.sources]
+            if all(w.matches(t) for w, t in zip(c.watches, tensors)):
+                continue
+            if not c.refresh(tensors):
+                return False
+        self.sources[:] = [(self.arg_index[name], w) for c in self.copies for name, w in zip(c.sources, c.watches)]
+        return True
+
+
+def make_copy(attr: str, names: list[str], tensors: list[torch.Tensor], storage: Storage,
+              arena: WeightArena | None = None) -> CopiedWeight:
+    """Watches the sources, then copies them: a write in between is seen."""
+    watches = [_C.Watch(t) for t in tensors]
+    shape = copy_shape(tensors, storage)
+    copy = arena.empty(shape, storage.dtype) if arena else weight_empty(shape, storage.dtype)
+    scratch = arena.scratch(copy.numel(), storage.dtype) if arena and storage.block else None
+    fill_copy(copy, tensors, storage, scratch)
+    return CopiedWeight(attr, names, storage, copy, watches)
