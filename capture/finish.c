@@ -353,6 +353,7 @@ static int build_steps(kw_plan *p, const kw_builder *b, const size_t *work, int 
             }
         memcpy(call->ip, s->ip, sizeof call->ip);
         memcpy(call->fp, s->fp, sizeof call->fp);
+        call->fault = &p->fault;
         if (work[i]) {
             call->work = p->arena + p->arena_bytes;
             call->work_stride = p->scratch_stride;

@@ -2,11 +2,12 @@
  * converted as .to() would). Copies of equal dtype are memcpy, which libc already
  * vectorises, so these ops have only the portable kernel. Threads split rows.
  *
- * embedding: y[i, :] = table[ids[i], :]. An id outside [0, V) cannot raise inside
- *   a kernel: its row is filled with NaN so the error shows instead of passing
- *   for a real token.
+ * embedding: y[i, :] = table[ids[i], :]. An id outside [0, V) is reported (the
+ *   replay then fails with KW_EINDEX, as PyTorch raises an IndexError) and its
+ *   row filled with NaN.
  * kv_write: cache[b, h, pos[t], :] = src[b, h, t, :] — Tensor.index_copy_(2, pos,
- *   src) on a static KV cache, in place. A position outside [0, S) is skipped. */
+ *   src) on a static KV cache, in place. A position outside [0, S) is reported
+ *   and skipped. */
 #include "kw_ops_impl.h"
 
 static void copy_row(char *dst, kw_dtype dt, const char *src, kw_dtype st, int64_t n) {
@@ -51,9 +52,10 @@ static void embedding_scalar(const kw_call *c, int ith, int nth) {
     for (int64_t r = r0; r < r1; r++) {
         const int64_t id = ld_index(ids, r);
         char *dst = kw__ptr(y, r * rs);
-        if (id < 0 || id >= V)
+        if (id < 0 || id >= V) {
             for (int64_t i = 0; i < D; i++) kw__stf(dst, i, y->dtype, NAN);
-        else
+            kw__report_index(c, id, V);
+        } else
             copy_row(dst, y->dtype, kw__ptr(tab, id * tab->stride[0]), tab->dtype, D);
     }
 }
@@ -91,7 +93,10 @@ static void kv_write_scalar(const kw_call *c, int ith, int nth) {
     kw__split(src->shape[0] * H * T, 1, ith, nth, &r0, &r1);
     for (int64_t r = r0; r < r1; r++) {
         const int64_t t = r % T, h = r / T % H, b = r / (T * H), p = ld_index(pos, t);
-        if (p < 0 || p >= S) continue;
+        if (p < 0 || p >= S) {
+            kw__report_index(c, p, S);
+            continue;
+        }
         copy_row(kw__ptr(cache, b * cache->stride[0] + h * cache->stride[1] + p * cache->stride[2]), cache->dtype,
                  kw__ptr(src, b * src->stride[0] + h * src->stride[1] + t * src->stride[2]), src->dtype, D);
     }

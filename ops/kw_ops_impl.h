@@ -106,6 +106,15 @@ static inline int kw__is_float(kw_dtype dt) { return dt == KW_F32 || dt == KW_BF
 
 static inline int kw__present(const kw_tensor *t) { return t->data != NULL; }
 
+/* An index out of range in the data (kw_fault): the first report of a replay wins. */
+static inline void kw__report_index(const kw_call *c, int64_t index, int64_t size) {
+    int expected = 0;
+    if (!c->fault || !atomic_compare_exchange_strong(&c->fault->reported, &expected, 1)) return;
+    c->fault->call = c;
+    c->fault->index = index;
+    c->fault->size = size;
+}
+
 static inline int64_t kw__numel(const kw_tensor *t) {
     int64_t n = 1;
     for (int i = 0; i < t->ndim; i++) n *= t->shape[i];

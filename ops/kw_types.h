@@ -7,6 +7,7 @@
 #ifndef KW_TYPES_H
 #define KW_TYPES_H
 
+#include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -45,7 +46,8 @@ const char *kw_dtype_name(kw_dtype dt); /* torch's spelling: "float32", "bfloat1
     X(ESTATE, -8, "object is in the wrong state for this call")   \
     X(ECALLBACK, -9, "fallback callback failed")                  \
     X(EREADONLY, -10, "step writes a read-only buffer")           \
-    X(EALIAS, -11, "written view partly overlaps another view")
+    X(EALIAS, -11, "written view partly overlaps another view")   \
+    X(EINDEX, -12, "an index in the data is out of range")
 
 typedef enum kw_error {
     KW_OK = 0,
@@ -70,12 +72,23 @@ typedef struct kw_tensor {
  * it is not contiguous. */
 int kw_tensor_bf16_exact(const kw_tensor *t);
 
+/* An index a kernel found out of range in its data (a cache position, a token
+ * id), which PyTorch would raise an IndexError for. A kernel cannot raise: it
+ * skips that row (nothing is read or written out of bounds) and reports it
+ * here; the first report of a replay wins, and the replay then returns
+ * KW_EINDEX. */
+typedef struct kw_fault {
+    atomic_int reported;
+    const struct kw_call *call;
+    int64_t index, size;
+} kw_fault;
+
 /* One kernel invocation. The op's kw_op_info says what each tensor slot and
  * parameter means. `work` is per-thread scratch: thread ith owns
  * [work + ith * work_stride, work + (ith + 1) * work_stride). `share`, when not
  * NULL, is KW_SHARE_BYTES of zeroed memory the call's threads share to hand
  * work out at run time (a replay zeroes it before each run); kernels that use
- * it split their work statically without it. */
+ * it split their work statically without it. `fault` is the plan's (kw_fault). */
 #define KW_SHARE_BYTES 64
 typedef struct kw_call {
     kw_tensor t[KW_CALL_MAX_TENSORS];
@@ -84,6 +97,7 @@ typedef struct kw_call {
     void *work;
     size_t work_stride;
     void *share;
+    kw_fault *fault; /* where an index out of range is reported; NULL: nowhere */
 } kw_call;
 
 /* Every thread of the pool calls the kernel with its own (ith, nth) and does its

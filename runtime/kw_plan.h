@@ -6,7 +6,8 @@
  * the views on them, and runs every step inside one kw_pool_run, each thread
  * walking the whole array with a barrier only where a step depends on an earlier
  * one. Replay allocates nothing, looks nothing up and fails only on a bad call
- * (a missing pointer, a busy plan) or a failing fallback.
+ * (a missing pointer, a busy plan), a failing fallback or an index out of range
+ * in the data.
  *
  * Two plans may replay at once from two threads (on one pool the runs take turns);
  * a plan replayed while it is already replaying answers KW_EBUSY. */
@@ -30,9 +31,14 @@ void kw_plan_destroy(kw_plan *plan);
 
 /* Runs the plan once. slots[i] is the pointer for slot i (kw_plan_n_slots of
  * them; NULL only for a slot of zero bytes). The pool may have fewer threads than
- * the plan was built for, never more. Returns 0, KW_EINVAL, KW_EBUSY or
- * KW_ECALLBACK. */
+ * the plan was built for, never more. Returns 0, KW_EINVAL, KW_EBUSY,
+ * KW_ECALLBACK, or KW_EINDEX when a kernel met an index out of range in its
+ * data (the replay ran to its end; see kw_plan_fault). */
 int kw_plan_replay(kw_plan *plan, kw_pool *pool, void *const *slots);
+
+/* After a replay that returned KW_EINDEX: the step, the index and the size it
+ * had to be below; returns 1. 0 when the last replay reported none. */
+int kw_plan_fault(const kw_plan *plan, int *step, int64_t *index, int64_t *size);
 
 int kw_plan_n_slots(const kw_plan *plan);
 /* Bytes the pointer for slot i must cover; -1 for a bad index. */

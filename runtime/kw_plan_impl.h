@@ -105,6 +105,7 @@ struct kw_plan {
     int isa;
 
     /* state */
+    kw_fault fault; /* cleared before each replay */
     atomic_int busy;
     int profiling;
     uint64_t *profile_ns;

@@ -116,13 +116,24 @@ int kw_plan_replay(kw_plan *p, kw_pool *pool, void *const *slots) {
     kw__run r = {.plan = p, .pool = pool};
     int rc = bind_slots(p, slots);
     if (p->shares) memset(p->shares, 0, p->share_bytes);
+    atomic_store(&p->fault.reported, 0);
     if (rc == 0) {
         kw_pool_run(pool, p->profiling ? run_steps_profiled : run_steps, &r);
         rc = atomic_load_explicit(&r.rc, memory_order_relaxed);
+        if (rc == 0 && atomic_load(&p->fault.reported)) rc = KW_EINDEX;
         if (p->profiling && rc == 0) p->profile_runs++;
     }
     atomic_store_explicit(&p->busy, 0, memory_order_release);
     return rc;
+}
+
+int kw_plan_fault(const kw_plan *p, int *step, int64_t *index, int64_t *size) {
+    if (!atomic_load(&p->fault.reported)) return 0;
+    for (int i = 0; i < p->n_steps; i++)
+        if (p->steps[i].call == p->fault.call) *step = i;
+    *index = p->fault.index;
+    *size = p->fault.size;
+    return 1;
 }
 
 int kw_plan_n_slots(const kw_plan *p) { return p->n_slots; }

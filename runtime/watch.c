@@ -240,6 +240,19 @@ kw_watch *kw_watch_new(const void *p, size_t bytes) {
     return w;
 }
 
+/* Called with table_lock held: the watches still protecting pages of [lo, hi)
+ * protect them again (freeing one watch must not open another's pages). */
+static void protect_others(int self, uintptr_t lo, uintptr_t hi) {
+    const int n = atomic_load(&n_used);
+    for (int j = 0; j < n; j++) {
+        kw__region *o = &regions[j];
+        if (j == self || atomic_load(&o->state) != ENTRY_ACTIVE || !atomic_load(&o->protected)) continue;
+        const uintptr_t olo = atomic_load(&o->lo), ohi = atomic_load(&o->hi);
+        const uintptr_t a = olo > lo ? olo : lo, b = ohi < hi ? ohi : hi;
+        if (a < b) mprotect((void *)a, b - a, PROT_READ);
+    }
+}
+
 void kw_watch_free(kw_watch *w) {
     if (!w) return;
     if (w->entry >= 0) {
@@ -249,6 +262,7 @@ void kw_watch_free(kw_watch *w) {
         mprotect((void *)lo, hi - lo, PROT_READ | PROT_WRITE);
         atomic_store(&r->protected, 0);
         atomic_store(&r->state, ENTRY_RETIRED);
+        protect_others(w->entry, lo, hi);
         pthread_mutex_unlock(&table_lock);
     }
     free(w->snapshot);

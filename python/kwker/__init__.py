@@ -9,13 +9,23 @@ __all__ = ["backend", "compile_config", "report"]
 
 
 def compile_config(**kwargs):
-    """A transformers ``CompileConfig`` for ``generate()`` with backend "kwker":
-    ``mode=None`` (CompileConfig's default "reduce-overhead" would clash with
-    ``options=``) and ``_compile_all_devices``, without which generate() compiles
-    nothing on a CPU."""
+    """A transformers ``CompileConfig`` for ``generate()`` with kwker's backend:
+
+    - the backend function itself, not the name "kwker": two threads looking the
+      name up at once race in torch's registry ("duplicate name: kwker");
+    - ``mode=None``: CompileConfig's default "reduce-overhead" would clash with
+      ``options=``;
+    - ``dynamic=False``: a second generate() with another cache length or batch
+      then compiles a new static step, which kwker replays, instead of one with
+      dynamic shapes, which it would hand to Inductor;
+    - ``_compile_all_devices``, without which generate() compiles nothing on a CPU.
+
+    Keyword arguments override these."""
     from transformers import CompileConfig
 
-    config = CompileConfig(**{"backend": "kwker", "mode": None, "fullgraph": True, **kwargs})
+    from kwker.dynamo_backend import kwker_backend
+
+    config = CompileConfig(**{"backend": kwker_backend, "mode": None, "fullgraph": True, "dynamic": False, **kwargs})
     config._compile_all_devices = True
     return config
 

@@ -11,10 +11,14 @@ import torch
 from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 
 def trace_to_aten(gm: torch.fx.GraphModule, example_inputs) -> torch.fx.GraphModule:
-    fake_mode = detect_fake_mode(example_inputs) or FakeTensorMode()
+    """Inside a backend call Dynamo's fake mode is found; outside it (a plan
+    compiled again for new arguments) a new one, whose shape environment lets
+    .item() of a float input trace as a symbol, as under Dynamo."""
+    fake_mode = detect_fake_mode(example_inputs) or FakeTensorMode(shape_env=ShapeEnv())
     with fake_mode:
         fake_inputs = [fake_mode.from_tensor(x, static_shapes=True) if isinstance(x, torch.Tensor) else x for x in example_inputs]
         # Without the mode that records which torch function made each node (no

@@ -62,32 +62,68 @@ def compile_decode_step(gm: torch.fx.GraphModule, example_inputs, glue: bool = T
         if not_decode:
             raise NotLowerable(f"not a decode step: {not_decode}")
         placeholders = [n.name for n in aten_gm.graph.nodes if n.op == "placeholder"]
+        scalars = specialize_scalars(aten_gm, example_inputs)
         params = {name: t for name, t in zip(placeholders, example_inputs) if isinstance(t, torch.nn.Parameter)}
         counts, copies = rewrite_language_model(aten_gm, params, glue=glue, arena=arena)
     finally:
         arena.close()
     plan, report = lower_to_plan(aten_gm, example_inputs, copies)
-    if copies:
-        copied = CopiedWeights(copies, {name: i for i, name in enumerate(placeholders)})
-        plan.watch(copied.sources, _Refresh(copied, gm, glue))
+    if copies or scalars:
+        refresh = _Refresh(CopiedWeights(copies, {name: i for i, name in enumerate(placeholders)}), scalars, gm, glue)
+        plan.watch(refresh.sources, refresh)
     detail = {"rewrites": {k: v for k, v in counts.items() if v}, "fallback_ops": report.fallback_ops,
               "copies": len(copies)}
     return plan, detail
 
 
-class _Refresh:
-    """What a plan calls when a source of its copies changed: the copies packed
-    again (None), or the step compiled again for these arguments (a new Plan,
-    which the plan takes over)."""
+# ATen ops a float input may feed as their second operand: the float takes its place.
+_SCALAR_OPERAND = {aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor}
 
-    def __init__(self, copied: CopiedWeights, gm: torch.fx.GraphModule, glue: bool):
-        self.copied, self.gm, self.glue = copied, gm, glue
+
+def specialize_scalars(gm: torch.fx.GraphModule, example_inputs) -> list[tuple[int, float]]:
+    """A Python float of the model that Dynamo made an input (after a second
+    model gave it another value: an rms_norm_eps) reaches the graph as a 0-dim
+    float64 tensor. The plan is specialised on its value, which then fuses like
+    a constant, and the value is checked on every call: another value compiles
+    the step again. Returns (argument index, value) for each; raises
+    NotLowerable for a float input used otherwise."""
+    specialized = []
+    for i, node in enumerate(n for n in gm.graph.nodes if n.op == "placeholder"):
+        x = example_inputs[i]
+        if not (isinstance(x, torch.Tensor) and x.dim() == 0 and x.dtype == torch.float64) or not node.users:
+            continue
+        value = float(x)
+        for user in list(node.users):
+            if user.target is aten._local_scalar_dense.default:  # .item(): a Python number from here on
+                user.replace_all_uses_with(value)
+                gm.graph.erase_node(user)
+            elif user.target in _SCALAR_OPERAND and user.args[1] is node and not user.kwargs:
+                user.args = (user.args[0], value, *user.args[2:])
+            else:
+                raise NotLowerable(f"the float input {node.name} feeds {user.target}")
+        specialized.append((i, value))
+    return specialized
+
+
+class _Refresh:
+    """What a plan calls when a source of its copies or a value it was
+    specialised on changed: the copies packed again (None), or the step
+    compiled again for these arguments (a new Plan, which the plan takes over).
+    `sources` is the list the plan checks, kept up to date in place."""
+
+    def __init__(self, copied: CopiedWeights, scalars: list[tuple[int, float]], gm: torch.fx.GraphModule,
+                 glue: bool):
+        self.copied, self.scalars, self.gm, self.glue = copied, scalars, gm, glue
+        self.sources = copied.watched() + scalars
 
     def __call__(self, args):
-        if self.copied.refresh(args):
+        same_values = all(float(args[i]) == value for i, value in self.scalars)
+        if same_values and self.copied.refresh(args):
+            self.sources[:] = self.copied.watched() + self.scalars
             log.debug("decode step: weight copies packed again")
             return None
-        log.info("decode step: a weight can no longer be copied the same way; compiling the step again")
+        log.info("decode step: %s; compiling the step again",
+                 "a weight can no longer be copied the same way" if same_values else "a float input changed")
         plan, _ = compile_decode_step(self.gm, list(args), self.glue)
         return plan
 

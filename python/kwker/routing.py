@@ -85,9 +85,9 @@ def unfit_for_kernels(gm: torch.fx.GraphModule, example_inputs) -> str | None:
         if not node.users:
             continue
         if isinstance(x, torch.Tensor):
-            if x.is_floating_point() and x.dtype not in KERNEL_FLOAT_DTYPES:
-                what = "a scalar (a Python float Dynamo made an input)" if x.dim() == 0 else "a tensor"
-                return f"input {node.name} is {what} of {x.dtype}; kwker's kernels take float32 and bfloat16"
+            scalar = x.dim() == 0 and x.dtype == torch.float64  # a float of the model: decode.specialize_scalars
+            if x.is_floating_point() and x.dtype not in KERNEL_FLOAT_DTYPES and not scalar:
+                return f"input {node.name} is {x.dtype}; kwker's kernels take float32 and bfloat16"
             if x.is_complex():
                 return f"input {node.name} is {x.dtype}"
         elif not isinstance(x, (int, bool)):

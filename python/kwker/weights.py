@@ -183,26 +183,26 @@ class CopiedWeight:
 
 
 class CopiedWeights:
-    """The copies one plan reads, and the list of their watched sources that the
-    plan checks before each call (kwker._C.Plan.watch)."""
+    """The copies one plan reads, and their sources' watches by argument index."""
 
     def __init__(self, copies: list[CopiedWeight], arg_index: dict[str, int]):
         self.copies = copies
         self.arg_index = arg_index
-        self.sources = []
-        for c in copies:
-            self.sources += [(arg_index[name], w) for name, w in zip(c.sources, c.watches)]
+
+    def watched(self) -> list[tuple[int, object]]:
+        """(argument index, Watch) for every source: what the plan checks (kwker._C.Plan.watch)."""
+        return [(self.arg_index[name], w) for c in self.copies for name, w in zip(c.sources, c.watches)]
 
     def refresh(self, args) -> bool:
         """Brings every copy whose sources changed up to date; False when one
-        cannot be (the plan must be rebuilt)."""
+        cannot be (the plan must be rebuilt). Watches may be replaced: read
+        watched() again."""
         for c in self.copies:
             tensors = [args[self.arg_index[name]] for name in c.sources]
             if all(w.matches(t) for w, t in zip(c.watches, tensors)):
                 continue
             if not c.refresh(tensors):
                 return False
-        self.sources[:] = [(self.arg_index[name], w) for c in self.copies for name, w in zip(c.sources, c.watches)]
         return True
 
 

@@ -93,7 +93,7 @@ Test(argmax, reference_by_hand) {
 
 /* ---- embedding: slots y 0, ids 1, table 2 ---- */
 
-Test(embedding, gathers_rows_and_marks_bad_ids) {
+Test(embedding, gathers_rows_and_reports_bad_ids) {
     tt_rng r = {45};
     for (int trial = 0; trial < 8; trial++) {
         const kw_dtype tt = fdt[trial % 2], yt = fdt[trial / 2 % 2];
@@ -103,7 +103,11 @@ Test(embedding, gathers_rows_and_marks_bad_ids) {
         kw_tensor *tab = tt_padded(&k, 2, tt, 2, TT_DIMS(V, D), 3, -2, 2, &r);
         kw_tensor *y = tt_tensor(&k, 0, yt, 3, TT_DIMS(2, 3, D), NULL, 0, 0, &r);
         tt_set(ids, (int64_t[]){1, 2}, V); /* out of range */
+        kw_fault fault = {0};
+        k.c.fault = &fault;
         tt_check_variants(KW_OP_EMBEDDING, &k, exact, "embedding");
+        cr_expect(atomic_load(&fault.reported));
+        cr_expect(fault.index == V && fault.size == V);
         for (int64_t i = 0; i < 2; i++)
             for (int64_t j = 0; j < 3; j++)
                 for (int64_t d = 0; d < D; d++) {
@@ -129,12 +133,16 @@ Test(kv_write, writes_rows_at_positions_in_place) {
         /* src as HF makes it: [B, T, H, D] memory viewed as [B, H, T, D] */
         kw_tensor *src = tt_tensor(&k, 1, st, 4, TT_DIMS(B, H, T, D), TT_DIMS(T * H * D, D, H * D, 1), -1, 1, &r);
         kw_tensor *pos = tt_tensor(&k, 2, KW_I64, 1, TT_DIMS(T), NULL, 0, 0, &r);
-        const int64_t ps[4] = {5, 0, S, 10}; /* S is outside: skipped */
+        const int64_t ps[4] = {5, 0, S, 10}; /* S is outside: skipped and reported */
         for (int64_t t = 0; t < T; t++) tt_set(pos, &t, ps[t]);
+        kw_fault fault = {0};
+        k.c.fault = &fault;
         tt_case before = {0};
         tt_tensor(&before, 0, ct, 1, TT_DIMS((int64_t)(k.bytes[0] / kw_dtype_size(ct))), NULL, 0, 0, &r);
         memcpy(before.mem[0], k.mem[0], k.bytes[0]);
         tt_check_variants(KW_OP_KV_WRITE, &k, exact, "kv_write");
+        cr_expect_eq(atomic_load(&fault.reported), T > 2, "trial %d", trial);
+        if (T > 2) cr_expect(fault.index == S && fault.size == S);
         for (int64_t b = 0; b < B; b++)
             for (int64_t h = 0; h < H; h++)
                 for (int64_t s = 0; s < S; s++) {

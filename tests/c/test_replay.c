@@ -198,6 +198,42 @@ Test(replay, each_call_binds_its_own_pointers) {
     kw_builder_destroy(b);
 }
 
+/* A cache position out of range cannot raise inside a kernel: the row is
+ * skipped, the replay runs to its end and answers KW_EINDEX, and the plan says
+ * which step met which index. */
+Test(replay, an_index_out_of_range_in_the_data_fails_the_replay_and_names_the_step) {
+    enum { S = 6, D = 4 };
+    static float cache[S * D], src[D];
+    static int64_t pos;
+    kw_builder *b = kw_builder_create();
+    const int bc = kw_builder_input(b, "cache", sizeof cache), bs = kw_builder_input(b, "src", sizeof src),
+              bp = kw_builder_input(b, "pos", sizeof pos);
+    const int64_t cshape[4] = {1, 1, S, D}, sshape[4] = {1, 1, 1, D}, pshape[1] = {1};
+    const int v[3] = {kw_builder_view(b, bc, KW_F32, 4, cshape, NULL, 0), kw_builder_view(b, bs, KW_F32, 4, sshape, NULL, 0),
+                      kw_builder_view(b, bp, KW_I64, 1, pshape, NULL, 0)};
+    const int step = kw_builder_op(b, KW_OP_KV_WRITE, v, 3, NULL, 0, NULL, 0);
+    kw_builder_label(b, step, "k_write");
+    kw_plan *plan;
+    const kw_finish_opts o = {.n_threads = 2, .isa = -1};
+    cr_assert_eq(kw_builder_finish(b, &o, &plan, NULL, 0), 0);
+    kw_pool *pool = kw_pool_create(2);
+    void *slots[3] = {cache, src, &pos};
+    fill(src, D, 1);
+    int got_step = -1;
+    int64_t index = 0, size = 0;
+    for (int64_t p = -1; p <= S; p++) {
+        pos = p;
+        const int bad = p < 0 || p >= S;
+        cr_expect_eq(kw_plan_replay(plan, pool, slots), bad ? KW_EINDEX : 0, "pos %lld", (long long)p);
+        cr_expect_eq(kw_plan_fault(plan, &got_step, &index, &size), bad);
+        if (bad) cr_expect(got_step == step && index == p && size == S);
+        if (!bad) cr_expect_arr_eq(cache + p * D, src, sizeof src);
+    }
+    kw_pool_destroy(pool);
+    kw_plan_destroy(plan);
+    kw_builder_destroy(b);
+}
+
 Test(replay, profiling_counts_replays_and_time_per_step) {
     kw_pool *pool = kw_pool_create(2);
     mlp *m = calloc(1, sizeof *m);

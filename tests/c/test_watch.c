@@ -132,6 +132,16 @@ Test(watch, two_watches_over_the_same_pages_both_see_a_write) {
     kw_watch_free(b);
 }
 
+Test(watch, freeing_one_of_two_watches_over_the_same_pages_leaves_the_other_watching) {
+    unsigned char *mem = pages(6);
+    kw_watch *a = kw_watch_new(mem + 64, 4 * page()), *b = kw_watch_new(mem + 64, 4 * page());
+    cr_assert(a && b);
+    kw_watch_free(a);
+    mem[2 * page()] = 7;
+    cr_expect_eq(kw_watch_changed(b), 1);
+    kw_watch_free(b);
+}
+
 Test(watch, many_watches_are_told_apart) {
     enum { N = 300 };
     unsigned char *mem = pages(3 * N);

@@ -233,7 +233,7 @@ def test_a_refresh_that_fails_or_returns_junk_raises_and_the_plan_recovers():
         plan(x, source)
     with pytest.raises(ValueError, match="out of range"):
         plan.watch([(5, _C.Watch(source))], lambda args: None)
-    with pytest.raises(TypeError, match=r"\(argument index, Watch\) pairs"):
+    with pytest.raises(TypeError, match=r"\(argument index, Watch or float\) pairs"):
         plan.watch([(1, source)], lambda args: None)
 
 

@@ -55,7 +55,8 @@ typedef struct kw__state {
     int n_src;             /* the list as read when set or refreshed */
     struct kw__watched {
         int arg;
-        PyObject *watch; /* a reference of its own */
+        PyObject *watch; /* a reference of its own; NULL for a value */
+        double value;    /* the float the plan was specialised on */
     } *src;
 } kw__state;
 
@@ -113,7 +114,7 @@ static void state_free(kw__state *s) {
         }
     }
     for (int i = 0; s->fresh && s->prog && i < s->prog->n_outputs; i++) Py_XDECREF(s->fresh[i]);
-    for (int i = 0; i < s->n_src; i++) Py_DECREF(s->src[i].watch);
+    for (int i = 0; i < s->n_src; i++) Py_XDECREF(s->src[i].watch);
     PyMem_Free(s->src);
     Py_XDECREF(s->sources);
     Py_XDECREF(s->refresh);
@@ -198,10 +199,10 @@ static int read_sources(kw__state *s) {
     }
     Py_ssize_t i = 0;
     for (; i < n; i++) {
-        PyObject *item = PyList_GET_ITEM(s->sources, i);
+        PyObject *item = PyList_GET_ITEM(s->sources, i), *what;
         if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 2 ||
-            !PyObject_TypeCheck(PyTuple_GET_ITEM(item, 1), &kw__WatchType)) {
-            PyErr_SetString(PyExc_TypeError, "plan sources must be (argument index, Watch) pairs");
+            (!PyObject_TypeCheck((what = PyTuple_GET_ITEM(item, 1)), &kw__WatchType) && !PyFloat_Check(what))) {
+            PyErr_SetString(PyExc_TypeError, "plan sources must be (argument index, Watch or float) pairs");
             break;
         }
         const long arg = PyLong_AsLong(PyTuple_GET_ITEM(item, 0));
@@ -211,24 +212,35 @@ static int read_sources(kw__state *s) {
                          s->prog->n_args);
             break;
         }
-        src[i] = (struct kw__watched){(int)arg, Py_NewRef(PyTuple_GET_ITEM(item, 1))};
+        src[i] = PyFloat_Check(what) ? (struct kw__watched){(int)arg, NULL, PyFloat_AS_DOUBLE(what)}
+                                     : (struct kw__watched){(int)arg, Py_NewRef(what), 0.0};
     }
     if (i < n) {
-        while (i--) Py_DECREF(src[i].watch);
+        while (i--) Py_XDECREF(src[i].watch);
         PyMem_Free(src);
         return -1;
     }
-    for (int j = 0; j < s->n_src; j++) Py_DECREF(s->src[j].watch);
+    for (int j = 0; j < s->n_src; j++) Py_XDECREF(s->src[j].watch);
     PyMem_Free(s->src);
     s->src = src;
     s->n_src = (int)n;
     return 0;
 }
 
-/* 1 when a source moved, changed layout or was written; 0; -1 with an exception. */
+/* An argument the plan was specialised on (a float Dynamo made an input) that
+ * now holds another value: 1; 0; -1 with an exception. */
+static int value_changed(PyObject *arg, double value) {
+    const double now = PyFloat_AsDouble(arg);
+    if (now == -1.0 && PyErr_Occurred()) return -1;
+    return now != value;
+}
+
+/* 1 when a source moved, changed layout or was written, or a value differs; 0;
+ * -1 with an exception. */
 static int sources_changed(kw__state *s, PyObject *const *args) {
     for (int i = 0; i < s->n_src; i++) {
-        const int changed = kw__watch_changed(s->src[i].watch, args[s->src[i].arg]);
+        const struct kw__watched *w = &s->src[i];
+        const int changed = w->watch ? kw__watch_changed(w->watch, args[w->arg]) : value_changed(args[w->arg], w->value);
         if (changed) return changed;
     }
     return 0;
@@ -345,12 +357,28 @@ static PyObject *make_returns(PlanObject *p) {
     return res;
 }
 
+/* An index out of range raises IndexError, with PyTorch's words for the op. */
+static PyObject *index_error(kw_plan *plan) {
+    int step = -1;
+    int64_t index, size;
+    kw_plan_fault(plan, &step, &index, &size);
+    const char *op = kw_plan_step_name(plan, step), *label = kw_plan_step_label(plan, step);
+    if (op && !strcmp(op, "kv_write"))
+        return PyErr_Format(PyExc_IndexError,
+                            "index_copy_(): index %lld is out of bounds for dimension 2 with size %lld (kwker step "
+                            "'%s': the cache position is outside the static cache; the call ran to its end)",
+                            (long long)index, (long long)size, label);
+    return PyErr_Format(PyExc_IndexError, "index out of range in self: index %lld for size %lld (kwker step %s '%s')",
+                        (long long)index, (long long)size, op ? op : "?", label ? label : "");
+}
+
 static PyObject *replay_failed(PlanObject *p, int rc) {
     if (p->exc_type) {
         PyErr_Restore(p->exc_type, p->exc_value, p->exc_tb);
         p->exc_type = p->exc_value = p->exc_tb = NULL;
         return NULL;
     }
+    if (rc == KW_EINDEX) return index_error(p->s->plan);
     return kw__plan_error(rc, "replay failed: %s", kw_strerror(rc));
 }
 
@@ -712,9 +740,10 @@ static PyObject *plan_watch(PyObject *self, PyObject *args) {
 static PyMethodDef plan_methods[] = {
     {"watch", plan_watch, METH_VARARGS,
      "watch(sources, refresh): sources is a list of (argument index, Watch) for the arguments kwker copied\n"
-     "weights from. Before each call, if an argument is not its watch's memory and layout, or that memory\n"
-     "was written, refresh(args) is called with the call's arguments; it brings the copies and the list up\n"
-     "to date and returns None, or returns a new Plan, whose state this plan then takes over."},
+     "weights from, and of (argument index, float) for arguments the plan was specialised on. Before each\n"
+     "call, if an argument is not its watch's memory and layout, or that memory was written, or it does not\n"
+     "equal its float, refresh(args) is called with the call's arguments; it brings the copies and the list\n"
+     "up to date and returns None, or returns a new Plan, whose state this plan then takes over."},
     {"dump", plan_dump, METH_NOARGS,
      "dump() -> str: arguments and returns, then buffers (kind, bytes, arena offset, live range) and steps\n"
      "(op, views, barriers, bytes read and written)."},

@@ -1,0 +1,207 @@
+"""Never a wrong token: what a user may do between or around compiled calls —
+share a step between threads, edit weights any way PyTorch allows, load another
+model, change dtypes, run out of cache — gives eager's tokens, or hands the
+graph to Inductor with the reason, or raises what eager raises."""
+
+import threading
+import warnings
+
+import pytest
+import torch
+from transformers import StaticCache
+
+import kwker
+from kwker import summary
+from kwker.testing import _SMALL, make_config, random_model, small_model
+
+PROMPT = torch.tensor([[3, 17, 42, 9, 7, 12, 5, 30]])
+
+
+@pytest.fixture(autouse=True)
+def fresh_compile_state():
+    torch._dynamo.reset()
+    summary.clear()
+    yield
+    torch._dynamo.reset()
+
+
+def greedy(model, compile_config=None, new_tokens=12):
+    return model.generate(PROMPT, max_new_tokens=new_tokens, do_sample=False, cache_implementation="static",
+                          compile_config=compile_config).tolist()
+
+
+def assert_same_tokens(model, config):
+    assert greedy(model, config) == greedy(model)
+
+
+def kinds():
+    return [g.kind for g in summary.graphs()]
+
+
+# ---- 1. one compiled step, two threads ----------------------------------------------------
+
+
+def test_one_compiled_step_called_from_two_threads_gives_each_its_own_logits():
+    model = small_model("llama")
+    step = torch.compile(model, backend="kwker", fullgraph=True)
+    warnings.filterwarnings("ignore", message=".*past_key_values.*")
+
+    def decode(fn, cache, token):
+        with torch.no_grad():
+            return fn(torch.tensor([[token]]), past_key_values=cache, use_cache=True).logits
+
+    def fresh_cache():
+        cache = StaticCache(config=model.config, max_cache_len=PROMPT.shape[1] + 12)
+        with torch.no_grad():
+            model(PROMPT, past_key_values=cache, use_cache=True)
+        return cache
+
+    decode(step, fresh_cache(), 1)  # compiles once, before the threads start
+    errors = []
+
+    def run(seed):
+        try:
+            g = torch.Generator().manual_seed(seed)
+            for _ in range(15):
+                mine, theirs = fresh_cache(), fresh_cache()
+                for _ in range(12):
+                    token = int(torch.randint(0, 64, (1,), generator=g))
+                    got, want = decode(step, mine, token), decode(model, theirs, token)
+                    if not torch.allclose(got, want, rtol=1e-4, atol=1e-4):
+                        errors.append(f"thread {seed}: logits differ by {(got - want).abs().max():.3g}")
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=run, args=(seed,)) for seed in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert kinds() == ["decode-replay"], kwker.report()
+
+
+# ---- 2, 3. weights edited any way PyTorch allows ------------------------------------------
+
+
+def test_weights_edited_through_data_are_read_fresh():
+    model = small_model("llama")  # bf16-valued: kwker reads bf16 copies of every linear
+    config = kwker.compile_config()
+    assert_same_tokens(model, config)
+    attn = model.model.layers[0].self_attn
+    attn.q_proj.weight.data.mul_(-4.0)  # bf16-exact: the copy is packed again
+    assert_same_tokens(model, config)
+    before = greedy(model)
+    first = before[0][PROMPT.shape[1]]
+    head = model.lm_head.weight
+    head.data[-1] = head[first].detach() * 20.0  # one row, on the partial page at the tied weight's end
+    assert greedy(model) != before  # the edit decides the tokens
+    assert_same_tokens(model, config)
+    assert kinds() == ["decode-replay"], kwker.report()
+
+
+def test_weights_of_a_float32_model_edited_through_data_are_read_fresh():
+    model = small_model("llama", bf16_valued=False)  # q/k/v and gate/up are stacked copies
+    config = kwker.compile_config()
+    assert_same_tokens(model, config)
+    k_proj = model.model.layers[1].self_attn.k_proj
+    k_proj.weight.data.add_(torch.randn_like(k_proj.weight) * 0.5)
+    assert_same_tokens(model, config)
+
+
+def test_a_weight_given_another_layout_under_skipped_guards_is_read_as_it_is_now():
+    model = small_model("llama")
+    config = kwker.compile_config()
+    assert_same_tokens(model, config)  # the warm-up the README asks for
+    q_proj = model.model.layers[0].self_attn.q_proj
+    q_proj.weight.data = q_proj.weight.data.t()  # the same storage, transposed: guards would see it
+    want = greedy(model)
+    with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+        assert greedy(model, config) == want
+    assert kinds() == ["decode-replay"], kwker.report()
+
+
+# ---- 4. another model, new tensors ----------------------------------------------------------
+
+
+def test_another_model_of_the_same_class_and_replaced_tensors_are_read_fresh():
+    config = kwker.compile_config()
+    first = small_model("llama", seed=0)
+    assert_same_tokens(first, config)
+    second = small_model("llama", seed=1)  # Dynamo reuses the step: kwker packs its weights
+    assert greedy(second) != greedy(first)
+    assert_same_tokens(second, config)
+    second.model.layers[1].mlp.down_proj.weight.data = torch.randn(64, 160).to(torch.bfloat16).float()
+    assert_same_tokens(second, config)
+    del first, second
+    third = small_model("llama", seed=2)  # after a model is deleted: its memory may come back
+    assert_same_tokens(third, config)
+    assert_same_tokens(small_model("llama", seed=0), config)
+    assert kinds() == ["decode-replay"], kwker.report()
+
+
+# ---- 5. another architecture whose config has another float ---------------------------------
+
+
+def test_a_float_of_the_config_that_differs_between_models_is_replayed_for_each():
+    config = kwker.compile_config()
+    for arch, eps in (("LlamaConfig", 1e-5), ("Qwen2Config", 1e-6), ("LlamaConfig", 1e-6), ("LlamaConfig", 1e-5)):
+        model = random_model(make_config(arch, **{**_SMALL, "rms_norm_eps": eps}))
+        assert_same_tokens(model, config)
+    assert set(kinds()) == {"decode-replay"}, kwker.report()
+    assert not any(g.fallback_ops for g in summary.graphs()), kwker.report()
+
+
+# ---- 6. dtypes kwker's kernels do not take ---------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float64])
+def test_a_model_in_a_dtype_kwker_has_no_kernels_for_goes_to_inductor_with_the_reason(dtype):
+    model = small_model("llama", dtype=dtype)
+    assert_same_tokens(model, kwker.compile_config())
+    (graph,) = summary.graphs()
+    assert graph.kind == "inductor" and str(dtype) in graph.why, kwker.report()
+
+
+# ---- 7. a cache position out of range ---------------------------------------------------------
+
+
+def test_a_step_past_the_end_of_the_cache_raises_as_eager_does():
+    model = small_model("llama")
+    step = torch.compile(model, backend="kwker", fullgraph=True)
+    warnings.filterwarnings("ignore", message=".*past_key_values.*")
+    errors = {}
+    for name, fn in (("eager", model), ("kwker", step)):
+        cache = StaticCache(config=model.config, max_cache_len=PROMPT.shape[1] + 2)
+        with torch.no_grad():
+            model(PROMPT, past_key_values=cache, use_cache=True)
+            for _ in range(2):
+                fn(torch.tensor([[5]]), past_key_values=cache, use_cache=True)
+            with pytest.raises(IndexError) as e:
+                fn(torch.tensor([[5]]), past_key_values=cache, use_cache=True)
+        errors[name] = str(e.value)
+    assert errors["kwker"].startswith(errors["eager"])
+    assert kinds() == ["decode-replay"], kwker.report()
+
+
+# ---- 8. two threads compiling at once ---------------------------------------------------------
+
+
+def test_two_threads_compiling_at_once_both_get_their_tokens():
+    models = [small_model("llama"), small_model("qwen2")]
+    want = [greedy(m) for m in models]
+    got, errors = [None, None], []
+
+    def run(i):
+        try:
+            got[i] = greedy(models[i], kwker.compile_config())
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and got == want
+    assert kinds() == ["decode-replay", "decode-replay"], kwker.report()
