@@ -3,7 +3,8 @@
 # (idempotent): Debian packages, the virtual environment in .venv, and the build.
 #
 #   scripts/dev.sh example [args]  run examples/hf_generate on the embedded model
-#   scripts/dev.sh test            every test: Criterion (plain, ASan+UBSan, fuzz) and pytest
+#   scripts/dev.sh test            every test: Criterion (plain, ASan+UBSan, fuzz), pytest, and the
+#                                  plan-level pytest files again with kwker._C under ASan+UBSan
 #   scripts/dev.sh setup           only the set-up
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -82,6 +83,16 @@ run_tests() {
 
     step "Python tests (pytest)"
     "$PY" -m pytest -q tests/python
+
+    step "Python tests of plans, threads and watches, with kwker._C under ASan+UBSan"
+    cmake_build build/py-asan -DKW_PYTHON=ON -DKW_SANITIZE=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+        -DPython_EXECUTABLE="$PY"
+    # The sanitizer runtime first, and libstdc++ before it is needed: PyTorch
+    # throws C++ exceptions, which ASan's interceptor must find the real thrower for.
+    LD_PRELOAD="$(gcc -print-file-name=libasan.so) $(gcc -print-file-name=libstdc++.so)" \
+        ASAN_OPTIONS=detect_leaks=0:alloc_dealloc_mismatch=0 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+        "$PY" scripts/sanitized_pytest.py "$(find build/py-asan -name '_C.*.so' | head -n 1)" -q -p no:logging \
+        tests/python/test_plan.py tests/python/test_reliability.py tests/python/test_decode_step.py
 }
 
 cmd=${1:-}
