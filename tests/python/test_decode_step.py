@@ -11,12 +11,7 @@ from kwker.testing import make_config, random_model
 PROMPT = torch.tensor([[3, 17, 42, 9, 7, 12, 5, 30]])
 
 
-@pytest.fixture(autouse=True)
-def fresh_compile_state():
-    torch._dynamo.reset()
-    summary.clear()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_compile_state")
 
 
 def llama(**overrides):

@@ -24,12 +24,7 @@ PROMPTS = [[3, 17, 42, 9, 7, 12, 5, 30], [11, 2, 33, 60, 21, 8, 14, 40]]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-@pytest.fixture(autouse=True)
-def fresh_compile_state():
-    torch._dynamo.reset()
-    summary.clear()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_compile_state")
 
 
 def generate(model, ids, compile_config=None, **kw):

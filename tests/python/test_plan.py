@@ -2,8 +2,6 @@
 checked on every call, outputs the caller holds are never overwritten, fallbacks
 run Python steps between native ones."""
 
-import threading
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -352,28 +350,20 @@ def test_a_plan_called_from_its_own_fallback_is_busy():
     holder.clear()  # the fallback closure and the plan form a cycle; the GC frees it
 
 
-def test_two_plans_replay_at_once_from_two_python_threads():
+def test_two_plans_replay_at_once_from_two_python_threads(side_by_side):
     plans = [small_linear_plan(2) for _ in range(2)]
-    errors = []
 
-    def run(plan, w):
-        try:
-            for _ in range(200):
-                x = torch.randn(2, 4)
-                torch.testing.assert_close(plan(x)[0], x @ w.T, rtol=1e-5, atol=1e-5)
-        except Exception as e:  # noqa: BLE001 - reported below
-            errors.append(e)
+    def run(i):
+        plan, w = plans[i]
+        for _ in range(200):
+            x = torch.randn(2, 4)
+            torch.testing.assert_close(plan(x)[0], x @ w.T, rtol=1e-5, atol=1e-5)
 
-    threads = [threading.Thread(target=run, args=pw) for pw in plans]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors
+    assert side_by_side(run) == []
 
 
 @pytest.mark.parametrize("n_threads", [1, 2])
-def test_one_plan_called_from_two_python_threads_gives_each_call_its_own_result(n_threads):
+def test_one_plan_called_from_two_python_threads_gives_each_call_its_own_result(n_threads, side_by_side):
     """The calls take turns: the plan's slots, outputs and arena are its own.
     Checked on results that differ per thread, many times over."""
     b = _C.PlanBuilder()
@@ -384,25 +374,15 @@ def test_one_plan_called_from_two_python_threads_gives_each_call_its_own_result(
     b.fallback(relu_fallback, [_contig(b, tmp, (64,))], [_contig(b, out, (64,))])  # releases and retakes the GIL
     b.output(_contig(b, out, (64,)))
     plan = b.finish(n_threads)
-    errors = []
 
     def run(seed):
-        try:
-            g = torch.Generator().manual_seed(seed)
-            for _ in range(1500):
-                xv = torch.randn(64, generator=g)
-                (y,) = plan(xv)
-                if not torch.equal(y, torch.relu(xv * 3.0)):
-                    errors.append(f"thread {seed}: another call's result")
-        except Exception as e:  # noqa: BLE001 - reported below
-            errors.append(repr(e))
+        g = torch.Generator().manual_seed(seed)
+        for _ in range(1500):
+            xv = torch.randn(64, generator=g)
+            (y,) = plan(xv)
+            assert torch.equal(y, torch.relu(xv * 3.0)), "another call's result"
 
-    threads = [threading.Thread(target=run, args=(seed,)) for seed in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert errors == []
+    assert side_by_side(run) == []
 
 
 def test_dump_and_profile():

@@ -3,7 +3,6 @@ share a step between threads, edit weights any way PyTorch allows, load another
 model, change dtypes, run out of cache — gives eager's tokens, or hands the
 graph to Inductor with the reason, or raises what eager raises."""
 
-import threading
 import warnings
 
 import pytest
@@ -14,15 +13,9 @@ import kwker
 from kwker import summary
 from kwker.testing import _SMALL, make_config, random_model, small_model
 
+pytestmark = pytest.mark.usefixtures("fresh_compile_state")
+
 PROMPT = torch.tensor([[3, 17, 42, 9, 7, 12, 5, 30]])
-
-
-@pytest.fixture(autouse=True)
-def fresh_compile_state():
-    torch._dynamo.reset()
-    summary.clear()
-    yield
-    torch._dynamo.reset()
 
 
 def greedy(model, compile_config=None, new_tokens=12):
@@ -41,7 +34,7 @@ def kinds():
 # ---- 1. one compiled step, two threads ----------------------------------------------------
 
 
-def test_one_compiled_step_called_from_two_threads_gives_each_its_own_logits():
+def test_one_compiled_step_called_from_two_threads_gives_each_its_own_logits(side_by_side):
     model = small_model("llama")
     step = torch.compile(model, backend="kwker", fullgraph=True)
     warnings.filterwarnings("ignore", message=".*past_key_values.*")
@@ -57,27 +50,17 @@ def test_one_compiled_step_called_from_two_threads_gives_each_its_own_logits():
         return cache
 
     decode(step, fresh_cache(), 1)  # compiles once, before the threads start
-    errors = []
 
     def run(seed):
-        try:
-            g = torch.Generator().manual_seed(seed)
-            for _ in range(15):
-                mine, theirs = fresh_cache(), fresh_cache()
-                for _ in range(12):
-                    token = int(torch.randint(0, 64, (1,), generator=g))
-                    got, want = decode(step, mine, token), decode(model, theirs, token)
-                    if not torch.allclose(got, want, rtol=1e-4, atol=1e-4):
-                        errors.append(f"thread {seed}: logits differ by {(got - want).abs().max():.3g}")
-        except Exception as e:  # noqa: BLE001 - reported below
-            errors.append(repr(e))
+        g = torch.Generator().manual_seed(seed)
+        for _ in range(15):
+            mine, theirs = fresh_cache(), fresh_cache()
+            for _ in range(12):
+                token = int(torch.randint(0, 64, (1,), generator=g))
+                torch.testing.assert_close(decode(step, mine, token), decode(model, theirs, token), rtol=1e-4,
+                                           atol=1e-4)
 
-    threads = [threading.Thread(target=run, args=(seed,)) for seed in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert errors == []
+    assert side_by_side(run) == []
     assert kinds() == ["decode-replay"], kwker.report()
 
 
@@ -187,21 +170,13 @@ def test_a_step_past_the_end_of_the_cache_raises_as_eager_does():
 # ---- 8. two threads compiling at once ---------------------------------------------------------
 
 
-def test_two_threads_compiling_at_once_both_get_their_tokens():
+def test_two_threads_compiling_at_once_both_get_their_tokens(side_by_side):
     models = [small_model("llama"), small_model("qwen2")]
     want = [greedy(m) for m in models]
-    got, errors = [None, None], []
+    got = [None, None]
 
     def run(i):
-        try:
-            got[i] = greedy(models[i], kwker.compile_config())
-        except Exception as e:  # noqa: BLE001 - reported below
-            errors.append(repr(e))
+        got[i] = greedy(models[i], kwker.compile_config())
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert errors == [] and got == want
+    assert side_by_side(run) == [] and got == want
     assert kinds() == ["decode-replay", "decode-replay"], kwker.report()
