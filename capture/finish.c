@@ -90,19 +90,22 @@ static kw_tensor bound_tensor(const kw__view *v, void *data) {
     return t;
 }
 
-/* The op's own rules: parameter counts, required tensors, its check function.
- * Also its per-thread scratch. */
-static int check_kernel_step(const kw_builder *b, int i, size_t *work, char *msg, size_t len) {
-    const kw__bstep *s = &b->steps[i];
+/* The op's own rules for one call: parameter counts, required tensors, its
+ * check function; *work gets its per-thread scratch. msg gets the problem. */
+static int check_op_call(const kw_builder *b, const kw__bstep *s, size_t *work, char *msg, size_t len) {
     const kw_op_info *info = kw_op_get((kw_op_id)s->op);
-    if (s->n_ip != info->n_ip || s->n_fp != info->n_fp)
-        return step_fail(b, i, msg, len, KW_EINVAL, "takes %d int and %d float parameters, got %d and %d",
-                         info->n_ip, info->n_fp, s->n_ip, s->n_fp);
+    if (s->n_ip != info->n_ip || s->n_fp != info->n_fp) {
+        snprintf(msg, len, "takes %d int and %d float parameters, got %d and %d", info->n_ip, info->n_fp, s->n_ip,
+                 s->n_fp);
+        return KW_EINVAL;
+    }
     kw_call call = {0};
     for (int k = 0; k < info->n_tensors; k++) {
         if (s->views[k] < 0) {
-            if (!info->arg[k].optional)
-                return step_fail(b, i, msg, len, KW_EINVAL, "tensor '%s' is required", info->arg[k].name);
+            if (!info->arg[k].optional) {
+                snprintf(msg, len, "tensor '%s' is required", info->arg[k].name);
+                return KW_EINVAL;
+            }
             continue;
         }
         const kw__view *v = &b->views[s->views[k]];
@@ -111,14 +114,49 @@ static int check_kernel_step(const kw_builder *b, int i, size_t *work, char *msg
     memcpy(call.ip, s->ip, sizeof call.ip);
     memcpy(call.fp, s->fp, sizeof call.fp);
     if (info->check) {
-        char text[KW__MSG] = "";
-        const int rc = info->check(&call, text, sizeof text);
-        if (rc) return step_fail(b, i, msg, len, rc < 0 ? rc : KW_EINVAL, "%s", text);
+        const int rc = info->check(&call, msg, len);
+        if (rc) return rc < 0 ? rc : KW_EINVAL;
     }
     *work = info->work_size ? info->work_size(&call) : 0;
-    if (*work > KW__MAX_BYTES)
-        return step_fail(b, i, msg, len, KW_ENOMEM, "asks for %zu bytes of scratch per thread", *work);
+    if (*work > KW__MAX_BYTES) {
+        snprintf(msg, len, "asks for %zu bytes of scratch per thread", *work);
+        return KW_ENOMEM;
+    }
     return 0;
+}
+
+static int check_kernel_step(const kw_builder *b, int i, size_t *work, char *msg, size_t len) {
+    char text[KW__MSG] = "";
+    const int rc = check_op_call(b, &b->steps[i], work, text, sizeof text);
+    return rc ? step_fail(b, i, msg, len, rc, "%s", text) : 0;
+}
+
+int kw_builder_check_op(const kw_builder *b, int op, const int *views, int n_views, const int64_t *ip, int n_ip,
+                        const double *fp, int n_fp, char *msg, size_t len) {
+    char text[KW__MSG] = "";
+    const kw_op_info *info = kw_op_get((kw_op_id)op);
+    int rc = 0;
+    if (!info || n_views < 0 || n_views > info->n_tensors || n_ip < 0 || n_ip > KW_CALL_MAX_PARAMS || n_fp < 0 ||
+        n_fp > KW_CALL_MAX_PARAMS) {
+        snprintf(text, sizeof text, "no such op, or too many tensors or parameters");
+        rc = KW_EINVAL;
+    }
+    kw__bstep s = {.op = op, .n_views = info ? info->n_tensors : 0, .n_ip = n_ip, .n_fp = n_fp};
+    int ids[KW_CALL_MAX_TENSORS];
+    for (int k = 0; !rc && k < info->n_tensors; k++) {
+        ids[k] = k < n_views ? views[k] : -1;
+        if (ids[k] >= b->n_views || ids[k] < -1) {
+            snprintf(text, sizeof text, "no view %d (tensor %d)", ids[k], k);
+            rc = KW_EINVAL;
+        }
+    }
+    s.views = ids;
+    for (int k = 0; !rc && k < n_ip; k++) s.ip[k] = ip[k];
+    for (int k = 0; !rc && k < n_fp; k++) s.fp[k] = fp[k];
+    size_t work;
+    if (!rc) rc = check_op_call(b, &s, &work, text, sizeof text);
+    if (rc && msg && len) snprintf(msg, len, "%s", text);
+    return rc;
 }
 
 /* Every step in program order, so the first problem reported is the first one

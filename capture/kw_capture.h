@@ -50,6 +50,13 @@ int kw_builder_view(kw_builder *b, int buffer, kw_dtype dtype, int ndim, const i
 int kw_builder_op(kw_builder *b, int op, const int *views, int n_views, const int64_t *ip, int n_ip,
                   const double *fp, int n_fp);
 
+/* Whether kw_builder_op with these arguments would pass the op's own rules
+ * (parameter counts, required tensors, its check of dtypes and shapes) at
+ * finish: 0, or the KW_E* it would fail with and the reason in msg. Changes
+ * nothing, so a caller may take another way (a host step) instead. */
+int kw_builder_check_op(const kw_builder *b, int op, const int *views, int n_views, const int64_t *ip, int n_ip,
+                        const double *fp, int n_fp, char *msg, size_t len);
+
 /* A host step over n views; access[k] is KW_READ, KW_WRITE or KW_MODIFY. */
 int kw_builder_fallback(kw_builder *b, kw_fallback_fn fn, void *user, const int *views,
                         const char *access, int n);

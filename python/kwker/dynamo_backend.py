@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from kwker import summary
+from kwker import _C, summary
 from kwker.aten_graph import trace_to_aten
 from kwker.decode import compile_decode_step
 from kwker.lower import NotLowerable
@@ -41,7 +41,7 @@ def compile_routed(path: str, gm, example_inputs, opts: KwkerOptions):
             plan, detail = compile_decode_step(gm, example_inputs, glue=opts.glue)
             warn_once_if_openmp_spins()
             return "decode-replay", plan, detail
-        except NotLowerable as e:
+        except (NotLowerable, _C.PlanError) as e:  # a PlanError here is a lowering bug: logged, never a failed compile
             detail["why"] = f"decode step not replayable: {e}"
             path = "cpu-inference"
     if path in ("decode", "cpu-inference") and opts.inner is not None:

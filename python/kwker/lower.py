@@ -7,11 +7,13 @@ Every node's fake value gives its storage, strides and offset, so:
 - a view op is no step at all, only another view of its input's buffer;
 - an in-place op writes into its input's own memory (the cache is never copied);
 - every other op is one native step, or a fallback step that calls PyTorch on
-  views of the plan's memory (named in the report).
+  views of the plan's memory (named in the report): where kwker has no native
+  op, or where the native op rejects the call (a dtype its kernels lack).
 A graph the plan cannot express raises NotLowerable, and the caller takes
 another path.
 """
 
+import logging
 import operator
 from dataclasses import dataclass, field
 
@@ -25,10 +27,15 @@ from kwker.weights import CopiedWeight
 
 aten = torch.ops.aten
 P = _C.op_params()
+log = logging.getLogger(__name__)
 
 
 class NotLowerable(Exception):
     """The graph has something a plan cannot express; the message says what."""
+
+
+class _Rejected(Exception):
+    """A native op's own rules reject this call (kwker._C.PlanBuilder.check_op)."""
 
 
 @dataclass
@@ -123,6 +130,11 @@ class _Lowering:
     # ---- steps --------------------------------------------------------------------
 
     def op(self, node: Node, name: str, views, ip=(), fp=()):
+        """A native step; raises _Rejected, having added nothing, when the op's
+        rules reject it (lower_call then adds a fallback step instead)."""
+        why = self.b.check_op(name, list(views), list(ip), list(fp))
+        if why is not None:
+            raise _Rejected(why)
         self.b.op(name, list(views), list(ip), list(fp), label=node.name)
         self.report.native_steps += 1
 
@@ -148,12 +160,18 @@ class _Lowering:
         if _is_inplace_op(node):
             if node.target not in INPLACE_LOWERINGS:
                 raise NotLowerable(f"in-place op {node.target} has no native step")
-            return INPLACE_LOWERINGS[node.target](self, node)
+            try:
+                return INPLACE_LOWERINGS[node.target](self, node)
+            except _Rejected as e:
+                return self.fallback(node, str(e))  # writes into the input's own memory, as the op does
         for i, t in enumerate(vals):
             self.new_storage(t, node.name if len(vals) == 1 else f"{node.name}.{i}")
         lowering = LOWERINGS.get(node.target)
-        if lowering is None or lowering(self, node) is False:
-            self.fallback(node)
+        try:
+            if lowering is None or lowering(self, node) is False:
+                self.fallback(node, "no native op" if lowering is None else "a case the native op does not cover")
+        except _Rejected as e:
+            self.fallback(node, str(e))
 
     def fold(self, node: Node):
         args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda a: self.folded[a])
@@ -163,12 +181,13 @@ class _Lowering:
             raise NotLowerable(f"{node.name} folds to a {type(result).__name__}")
         self.declare_constant(node, result.contiguous() if _is_view_op(node) else result)
 
-    def fallback(self, node: Node):
+    def fallback(self, node: Node, why: str):
         inputs = [a for a in _flat((node.args, node.kwargs)) if isinstance(a, Node)]
         reads = [self.view(val(a)) for a in inputs]
         writes = [self.view(t) for t in _tensor_vals(node)]
         self.b.fallback(_FallbackCall(node, inputs), reads, writes, label=node.name)
         self.report.fallback_ops.append(str(node.target))
+        log.debug("%s: a fallback step (%s): %s", node.name, node.target, why)
 
     def run(self):
         for node in self.gm.graph.nodes:

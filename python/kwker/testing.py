@@ -21,6 +21,10 @@ SMALL_CONFIGS = {
     "gemma3": ("Gemma3TextConfig", {"head_dim": 16, "query_pre_attn_scalar": 16,
                                     "layer_types": ["full_attention", "full_attention"]}),
     "olmo2": ("Olmo2Config", {}),
+    # Positions divided as integers (Llama 4-style attention scaling); ALiBi's
+    # float x int64 slopes and baddbmm attention. Neither may fail a compile.
+    "ministral3": ("Ministral3Config", {"head_dim": 16}),
+    "bloom": ("BloomConfig", {}),
 }
 
 # Shaped like the checkpoints the decode benchmark names (public configs).

@@ -73,6 +73,18 @@ def test_a_weight_that_is_no_longer_bf16_valued_gets_a_step_compiled_again_that_
     assert len(decode_steps(summary.graphs())) == 1, kwker.report()  # Dynamo compiled once; kwker rebuilt its plan
 
 
+def test_a_generate_with_another_cache_length_gets_a_replayed_step_of_its_own():
+    model = llama()
+    config = kwker.compile_config()
+    for max_cache_len in (32, 48, 32):
+        out = model.generate(PROMPT, max_new_tokens=8, do_sample=False, cache_implementation="static",
+                             max_cache_len=max_cache_len, compile_config=config).tolist()
+        ref = model.generate(PROMPT, max_new_tokens=8, do_sample=False, cache_implementation="static",
+                             max_cache_len=max_cache_len).tolist()
+        assert out == ref
+    assert [g.kind for g in summary.graphs()] == ["decode-replay"] * 2, kwker.report()
+
+
 def test_wide_weights_are_read_k_blocked_with_eagers_tokens():
     k = 4096  # down_proj's inner size: kwker stores that weight as [k/B, 64, B]
     assert _C.linear_block(k) > 0

@@ -314,6 +314,22 @@ def test_validation_errors_name_the_op():
         b.op("nonsense", [])
 
 
+def test_check_op_says_why_a_step_would_be_rejected_and_adds_nothing():
+    b = _C.PlanBuilder()
+    x = b.input("x", torch.int64, (4,))
+    y = b.output_buffer("y", torch.int64, (4,))
+    vx, vy = _contig(b, x, (4,), torch.int64), _contig(b, y, (4,), torch.int64)
+    why = b.check_op("binary", [vy, vx, vx], ip=[P["BINARY_DIV"]], fp=[0.0])
+    assert "not div for int64" in why
+    assert "tensor 'y' is required" in b.check_op("binary", [None, vx, vx], ip=[P["BINARY_ADD"]], fp=[0.0])
+    assert "parameters" in b.check_op("binary", [vy, vx, vx])
+    assert b.check_op("binary", [vy, vx, vx], ip=[P["BINARY_ADD"]], fp=[0.0]) is None
+    b.op("binary", [vy, vx, vx], ip=[P["BINARY_ADD"]], fp=[0.0])  # the rejected checks left nothing behind
+    b.output(vy)
+    (out,) = b.finish(1)(torch.arange(4))
+    assert out.tolist() == [0, 2, 4, 6]
+
+
 def test_a_fallback_exception_propagates_and_the_plan_stays_usable():
     calls = []
 

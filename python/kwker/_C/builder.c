@@ -297,38 +297,62 @@ static int label_step(BuilderObject *self, int step, PyObject *label) {
     return rc < 0 ? fail(self, rc) : 0;
 }
 
+/* An op step's arguments as given to op() and check_op(). */
+typedef struct op_args {
+    int op, n_views, n_ip, n_fp;
+    int views[KW_CALL_MAX_TENSORS];
+    int64_t ip[KW_CALL_MAX_PARAMS];
+    double fp[KW_CALL_MAX_PARAMS];
+} op_args;
+
+static int parse_op_args(const char *name, PyObject *views_obj, PyObject *ip_obj, PyObject *fp_obj, op_args *a) {
+    if ((a->op = kw_op_find(name)) < 0) {
+        kw__plan_error(KW_EINVAL, "no kwker op named '%s' (kwker._C.op_names() lists them)", name);
+        return -1;
+    }
+    if ((a->n_views = parse_view_ids(views_obj, a->views, KW_CALL_MAX_TENSORS, 1, "op views")) < 0) return -1;
+    if ((a->n_ip = ip_obj ? kw__int64_seq(ip_obj, a->ip, KW_CALL_MAX_PARAMS, "ip") : 0) < 0) return -1;
+    a->n_fp = 0;
+    if (!fp_obj) return 0;
+    PyObject *fast = PySequence_Fast(fp_obj, "fp");
+    if (!fast) return -1;
+    a->n_fp = (int)PySequence_Fast_GET_SIZE(fast);
+    if (a->n_fp > KW_CALL_MAX_PARAMS) a->n_fp = -1, PyErr_SetString(PyExc_ValueError, "fp: at most 8 values");
+    for (int i = 0; i < a->n_fp; i++)
+        if ((a->fp[i] = PyFloat_AsDouble(PySequence_Fast_GET_ITEM(fast, i))) == -1.0 && PyErr_Occurred()) a->n_fp = -1;
+    Py_DECREF(fast);
+    return a->n_fp < 0 ? -1 : 0;
+}
+
 static PyObject *builder_op(PyObject *self_, PyObject *args, PyObject *kw) {
     static char *names[] = {"name", "views", "ip", "fp", "label", NULL};
     const char *name;
     PyObject *views_obj, *ip_obj = NULL, *fp_obj = NULL, *label = Py_None;
     BuilderObject *self = open_builder(self_);
-    if (!self || !PyArg_ParseTupleAndKeywords(args, kw, "sO|OO$O:op", names, &name, &views_obj, &ip_obj, &fp_obj,
-                                              &label))
+    op_args a;
+    if (!self ||
+        !PyArg_ParseTupleAndKeywords(args, kw, "sO|OO$O:op", names, &name, &views_obj, &ip_obj, &fp_obj, &label) ||
+        parse_op_args(name, views_obj, ip_obj, fp_obj, &a))
         return NULL;
-    const int op = kw_op_find(name);
-    if (op < 0) return kw__plan_error(KW_EINVAL, "no kwker op named '%s' (kwker._C.op_names() lists them)", name);
-    int views[KW_CALL_MAX_TENSORS];
-    int64_t ip[KW_CALL_MAX_PARAMS];
-    double fp[KW_CALL_MAX_PARAMS];
-    const int n_views = parse_view_ids(views_obj, views, KW_CALL_MAX_TENSORS, 1, "op views");
-    if (n_views < 0) return NULL;
-    const int n_ip = ip_obj ? kw__int64_seq(ip_obj, ip, KW_CALL_MAX_PARAMS, "ip") : 0;
-    if (n_ip < 0) return NULL;
-    int n_fp = 0;
-    if (fp_obj) {
-        PyObject *fast = PySequence_Fast(fp_obj, "fp");
-        if (!fast) return NULL;
-        n_fp = (int)PySequence_Fast_GET_SIZE(fast);
-        if (n_fp > KW_CALL_MAX_PARAMS) n_fp = -1, PyErr_SetString(PyExc_ValueError, "fp: at most 8 values");
-        for (int i = 0; i < n_fp; i++)
-            if ((fp[i] = PyFloat_AsDouble(PySequence_Fast_GET_ITEM(fast, i))) == -1.0 && PyErr_Occurred()) n_fp = -1;
-        Py_DECREF(fast);
-        if (n_fp < 0) return NULL;
-    }
-    const int step = kw_builder_op(self->b, op, views, n_views, ip, n_ip, fp, n_fp);
+    const int step = kw_builder_op(self->b, a.op, a.views, a.n_views, a.ip, a.n_ip, a.fp, a.n_fp);
     if (step < 0) return fail(self, step), NULL;
     if (label_step(self, step, label)) return NULL;
     return PyLong_FromLong(step);
+}
+
+static PyObject *builder_check_op(PyObject *self_, PyObject *args, PyObject *kw) {
+    static char *names[] = {"name", "views", "ip", "fp", NULL};
+    const char *name;
+    PyObject *views_obj, *ip_obj = NULL, *fp_obj = NULL;
+    BuilderObject *self = open_builder(self_);
+    op_args a;
+    if (!self || !PyArg_ParseTupleAndKeywords(args, kw, "sO|OO:check_op", names, &name, &views_obj, &ip_obj, &fp_obj) ||
+        parse_op_args(name, views_obj, ip_obj, fp_obj, &a))
+        return NULL;
+    char msg[512];
+    if (!kw_builder_check_op(self->b, a.op, a.views, a.n_views, a.ip, a.n_ip, a.fp, a.n_fp, msg, sizeof msg))
+        Py_RETURN_NONE;
+    return PyUnicode_FromString(msg);
 }
 
 static int check_torch_view(BuilderObject *self, int view, const char *what) {
@@ -530,6 +554,10 @@ static PyMethodDef builder_methods[] = {
      "op(name, views, ip=(), fp=(), *, label=None) -> step index\n\n"
      "A native kernel step; views[k] (a view id, or None for an absent optional tensor) goes to the\n"
      "op's tensor slot k; ip / fp are its int and float parameters."},
+    {"check_op", (PyCFunction)(void (*)(void))builder_check_op, METH_VARARGS | METH_KEYWORDS,
+     "check_op(name, views, ip=(), fp=()) -> None, or why the op would reject the step\n\n"
+     "What op() with these arguments would meet at finish() from the op's own rules (its dtypes,\n"
+     "shapes and parameters); adds nothing, so the caller may add a fallback step instead."},
     {"fallback", (PyCFunction)(void (*)(void))builder_fallback, METH_VARARGS | METH_KEYWORDS,
      "fallback(fn, reads, writes, *, label=None) -> step index\n\n"
      "A Python step: fn(reads, writes) is called with two tuples of torch tensors over the views'\n"
