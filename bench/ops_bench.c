@@ -167,6 +167,21 @@ static double read_bandwidth(kw_pool *pool, int reps) {
     return best;
 }
 
+/* Prepares c for this CPU as a plan would (its preparation is never freed: a
+ * benchmark's calls live as long as the process). */
+static void check_call(kw_op_id op, kw_call *c) {
+    char msg[256];
+    if (kw_op_prepare(op, c, kw_cpu_isa(), alloc_or_die(kw_op_prep_size(op)), msg, sizeof msg)) {
+        fprintf(stderr, "ops_bench: %s\n", msg);
+        exit(1);
+    }
+}
+
+static size_t work_of(kw_op_id op, const kw_call *c) {
+    const kw_op_info *info = kw_op_get(op);
+    return info->work_size ? (info->work_size(c->prep) + 63) / 64 * 64 : 0;
+}
+
 /* ---- GEMV over a decode step's weights ---- */
 
 #define MAX_MATS 64
@@ -225,21 +240,14 @@ static gemv_set make_gemv_set(const weights *w, const shape *sh, int n, kw_dtype
         const size_t b = (size_t)(sh[i].n * sh[i].k) * kw_dtype_size(wt);
         p += b;
         s.bytes += b;
-        const size_t ws = (kw_op_get(KW_OP_LINEAR)->work_size(c) + 63) / 64 * 64;
+        check_call(KW_OP_LINEAR, c);
+        const size_t ws = work_of(KW_OP_LINEAR, c);
         if (ws > s.work_bytes) s.work_bytes = ws;
     }
     s.work = s.work_bytes ? alloc_or_die(s.work_bytes * (size_t)kw_pool_size(pool)) : NULL;
     for (int i = 0; i < n; i++) s.call[i].work = s.work, s.call[i].work_stride = s.work_bytes;
-    s.fn = kw_op_kernel(KW_OP_LINEAR, kw_cpu_isa());
+    s.fn = kw_op_get(KW_OP_LINEAR)->kernel;
     return s;
-}
-
-static void check_call(kw_op_id op, const kw_call *c) {
-    char msg[256];
-    if (kw_op_get(op)->check(c, msg, sizeof msg)) {
-        fprintf(stderr, "ops_bench: %s\n", msg);
-        exit(1);
-    }
 }
 
 /* Read bandwidth and the three GEMV sets, one pass of each per repeat, so that a
@@ -315,13 +323,13 @@ static void loop_task(void *arg, int ith, int nth) {
     }
 }
 
+/* c: a call check_call prepared. */
 static double per_op_us(kw_pool *pool, kw_op_id op, const kw_call *c, int iters) {
     kw_call call = *c;
-    const kw_op_info *info = kw_op_get(op);
-    const size_t ws = info->work_size ? (info->work_size(c) + 63) / 64 * 64 : 0;
+    const size_t ws = work_of(op, c);
     call.work = ws ? alloc_or_die(ws * (size_t)kw_pool_size(pool)) : NULL;
     call.work_stride = ws;
-    loop_job j = {pool, kw_op_kernel(op, kw_cpu_isa()), &call, iters};
+    loop_job j = {pool, kw_op_get(op)->kernel, &call, iters};
     const double t = time_runs(pool, loop_task, &j, g_quick ? 5 : 11);
     if (call.work) kw_mem_free(call.work, ws * (size_t)kw_pool_size(pool));
     return t / iters * 1e6;
@@ -394,7 +402,7 @@ static void crossover(kw_pool *pool, kw_dtype dt, const weights *w, FILE *out) {
             if (B) packed[i].t[2] = (kw_tensor){p, dt, 3, {sh[i].k / B, sh[i].n, B}, {sh[i].n * B, B, 1}};
             check_call(KW_OP_LINEAR, &packed[i]);
             p += (size_t)(sh[i].n * sh[i].k) * kw_dtype_size(dt);
-            const size_t s = kw_op_get(KW_OP_LINEAR)->work_size(&packed[i]);
+            const size_t s = work_of(KW_OP_LINEAR, &packed[i]);
             ws = s > ws ? s : ws;
         }
         ws = (ws + 63) / 64 * 64;
@@ -402,9 +410,9 @@ static void crossover(kw_pool *pool, kw_dtype dt, const weights *w, FILE *out) {
         for (int i = 0; i < 3; i++)
             plain[i].work = packed[i].work = work, plain[i].work_stride = packed[i].work_stride = ws;
         const int reps = g_quick ? 3 : 5;
-        mm_job j = {pool, kw_op_kernel(KW_OP_LINEAR, kw_cpu_isa()), packed};
+        mm_job j = {pool, kw_op_get(KW_OP_LINEAR)->kernel, packed};
         lin[mi] = time_runs(pool, mm_task, &j, reps) * 1e6;
-        j = (mm_job){pool, kw_op_kernel(KW_OP_MATMUL_DNNL, kw_cpu_isa()), plain};
+        j = (mm_job){pool, kw_op_get(KW_OP_MATMUL_DNNL)->kernel, plain};
         dnn[mi] = time_runs(pool, mm_task, &j, reps) * 1e6;
         if (work) kw_mem_free(work, ws * (size_t)kw_pool_size(pool));
         if (dnn[mi] < lin[mi] && cross < 0) cross = M;
@@ -460,11 +468,6 @@ static void decode_ops(kw_pool *pool, FILE *out) {
     c.t[0] = tensor2(y, KW_BF16, 1, 8192), c.t[1] = tensor2(a, KW_BF16, 1, 8192), c.t[2] = tensor2(b, KW_BF16, 1, 8192);
     check_call(KW_OP_SILU_MUL, &c);
     fprintf(out, ", \"silu_mul_8192\": %.3f", per_op_us(pool, KW_OP_SILU_MUL, &c, iters));
-
-    memset(&c, 0, sizeof c); /* argmax over the vocabulary */
-    c.t[0] = (kw_tensor){idx, KW_I64, 1, {1}, {1}}, c.t[1] = tensor2(a, KW_F32, 1, 128256);
-    check_call(KW_OP_ARGMAX, &c);
-    fprintf(out, ", \"argmax_128256\": %.3f", per_op_us(pool, KW_OP_ARGMAX, &c, iters));
 
     memset(&c, 0, sizeof c); /* the KV cache write of one position: [1, 8, 4096, 64] */
     char *cache = alloc_or_die((size_t)8 * 4096 * 64 * 2);

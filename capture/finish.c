@@ -90,9 +90,11 @@ static kw_tensor bound_tensor(const kw__view *v, void *data) {
     return t;
 }
 
-/* The op's own rules for one call: parameter counts, required tensors, its
- * check function; *work gets its per-thread scratch. msg gets the problem. */
-static int check_op_call(const kw_builder *b, const kw__bstep *s, size_t *work, char *msg, size_t len) {
+/* The op's own rules for one call, and its preparation: parameter counts,
+ * required tensors, its prepare function (into prep, zeroed, prep_size bytes);
+ * *work gets its per-thread scratch. msg gets the problem. */
+static int check_op_call(const kw_builder *b, const kw__bstep *s, int isa, void *prep, size_t *work, char *msg,
+                         size_t len) {
     const kw_op_info *info = kw_op_get((kw_op_id)s->op);
     if (s->n_ip != info->n_ip || s->n_fp != info->n_fp) {
         snprintf(msg, len, "takes %d int and %d float parameters, got %d and %d", info->n_ip, info->n_fp, s->n_ip,
@@ -113,11 +115,11 @@ static int check_op_call(const kw_builder *b, const kw__bstep *s, size_t *work, 
     }
     memcpy(call.ip, s->ip, sizeof call.ip);
     memcpy(call.fp, s->fp, sizeof call.fp);
-    if (info->check) {
-        const int rc = info->check(&call, msg, len);
+    if (info->prepare) {
+        const int rc = info->prepare(&call, (kw_isa)isa, prep, msg, len);
         if (rc) return rc < 0 ? rc : KW_EINVAL;
     }
-    *work = info->work_size ? info->work_size(&call) : 0;
+    *work = info->work_size ? info->work_size(prep) : 0;
     if (*work > KW__MAX_BYTES) {
         snprintf(msg, len, "asks for %zu bytes of scratch per thread", *work);
         return KW_ENOMEM;
@@ -125,10 +127,25 @@ static int check_op_call(const kw_builder *b, const kw__bstep *s, size_t *work, 
     return 0;
 }
 
-static int check_kernel_step(const kw_builder *b, int i, size_t *work, char *msg, size_t len) {
+/* A step's preparation, in memory of its own (freed by free_preps). */
+static int prepare_kernel_step(const kw_builder *b, int i, int isa, void **prep, size_t *work, char *msg, size_t len) {
     char text[KW__MSG] = "";
-    const int rc = check_op_call(b, &b->steps[i], work, text, sizeof text);
+    *prep = calloc(1, kw_op_prep_size((kw_op_id)b->steps[i].op));
+    if (!*prep) return KW_ENOMEM;
+    const int rc = check_op_call(b, &b->steps[i], isa, *prep, work, text, sizeof text);
     return rc ? step_fail(b, i, msg, len, rc, "%s", text) : 0;
+}
+
+/* Each kernel step's preparation; `release` also frees what prepare made in it
+ * (when the plan was not made, so no plan owns it). */
+static void free_preps(const kw_builder *b, void **preps, int release) {
+    for (int i = 0; preps && i < b->n_steps; i++) {
+        if (!preps[i]) continue;
+        const kw_op_info *info = kw_op_get((kw_op_id)b->steps[i].op);
+        if (release && info->release) info->release(preps[i]);
+        free(preps[i]);
+    }
+    free(preps);
 }
 
 int kw_builder_check_op(const kw_builder *b, int op, const int *views, int n_views, const int64_t *ip, int n_ip,
@@ -143,6 +160,11 @@ int kw_builder_check_op(const kw_builder *b, int op, const int *views, int n_vie
     }
     kw__bstep s = {.op = op, .n_views = info ? info->n_tensors : 0, .n_ip = n_ip, .n_fp = n_fp};
     int ids[KW_CALL_MAX_TENSORS];
+    void *prep = info ? calloc(1, kw_op_prep_size((kw_op_id)op)) : NULL;
+    if (info && !prep) {
+        snprintf(text, sizeof text, "out of memory");
+        rc = KW_ENOMEM;
+    }
     for (int k = 0; !rc && k < info->n_tensors; k++) {
         ids[k] = k < n_views ? views[k] : -1;
         if (ids[k] >= b->n_views || ids[k] < -1) {
@@ -154,14 +176,19 @@ int kw_builder_check_op(const kw_builder *b, int op, const int *views, int n_vie
     for (int k = 0; !rc && k < n_ip; k++) s.ip[k] = ip[k];
     for (int k = 0; !rc && k < n_fp; k++) s.fp[k] = fp[k];
     size_t work;
-    if (!rc) rc = check_op_call(b, &s, &work, text, sizeof text);
+    if (!rc) {
+        rc = check_op_call(b, &s, (int)kw_cpu_isa(), prep, &work, text, sizeof text);
+        if (!rc && info->release) info->release(prep);
+    }
+    free(prep);
     if (rc && msg && len) snprintf(msg, len, "%s", text);
     return rc;
 }
 
 /* Every step in program order, so the first problem reported is the first one
- * a replay would hit. work[i] gets step i's per-thread scratch. */
-static int validate(const kw_builder *b, size_t *work, char *msg, size_t len) {
+ * a replay would hit. Kernel step i is prepared for `isa` into preps[i];
+ * work[i] gets its per-thread scratch. */
+static int validate(const kw_builder *b, int isa, void **preps, size_t *work, char *msg, size_t len) {
     char *written = calloc((size_t)b->n_buffers + 1, 1);
     if (!written) return KW_ENOMEM;
     int rc = 0;
@@ -181,7 +208,7 @@ static int validate(const kw_builder *b, size_t *work, char *msg, size_t len) {
                                tensor_name(s, k, name, sizeof name), kw__buffer_kind_name(buf->kind), buf->name);
         }
         if (!rc) rc = check_aliasing(b, i, msg, len);
-        if (!rc && s->op >= 0) rc = check_kernel_step(b, i, &work[i], msg, len);
+        if (!rc && s->op >= 0) rc = prepare_kernel_step(b, i, isa, &preps[i], &work[i], msg, len);
         for (int k = 0; k < s->n_views && !rc; k++)
             if (s->views[k] >= 0 && writes(s->access[k])) written[b->views[s->views[k]].buffer] = 1;
     }
@@ -351,13 +378,22 @@ static void *view_address(const kw_plan *p, const kw__view *v) {
     return buf->base ? (char *)buf->base + v->offset : NULL;
 }
 
-/* Kernel calls and fallback view arrays, with every fixed address bound. */
-static int build_steps(kw_plan *p, const kw_builder *b, const size_t *work, int isa) {
+static size_t prep_bytes(const kw__bstep *s) { return round_up(kw_op_prep_size((kw_op_id)s->op)); }
+
+/* Kernel calls and fallback view arrays, with every fixed address bound; each
+ * call's preparation moves into the plan's prep_mem (preps[i] is then freed). */
+static int build_steps(kw_plan *p, const kw_builder *b, const size_t *work, void **preps) {
     int n_calls = 0, n_fallbacks = 0, n_shares = 0;
+    size_t prep_total = 0;
     for (int i = 0; i < b->n_steps; i++) {
         b->steps[i].op < 0 ? n_fallbacks++ : n_calls++;
         n_shares += b->steps[i].op >= 0 && kw_op_get((kw_op_id)b->steps[i].op)->shares_work;
+        if (b->steps[i].op >= 0) prep_total += prep_bytes(&b->steps[i]);
     }
+    p->prep_mem = kw_mem_alloc(prep_total + KW__ALIGN);
+    p->prep_bytes = prep_total + KW__ALIGN;
+    if (!p->prep_mem) return KW_ENOMEM;
+    char *prep = p->prep_mem;
     p->calls = calloc((size_t)n_calls + 1, sizeof *p->calls);
     p->fallbacks = calloc((size_t)n_fallbacks + 1, sizeof *p->fallbacks);
     p->share_bytes = (size_t)n_shares * KW_SHARE_BYTES;
@@ -400,7 +436,12 @@ static int build_steps(kw_plan *p, const kw_builder *b, const size_t *work, int 
             call->share = share;
             share += KW_SHARE_BYTES;
         }
-        *st = (kw__step){.fn = kw_op_kernel((kw_op_id)s->op, (kw_isa)isa), .call = call, .fallback = -1};
+        memcpy(prep, preps[i], kw_op_prep_size((kw_op_id)s->op));
+        free(preps[i]);
+        preps[i] = NULL;
+        call->prep = prep;
+        prep += prep_bytes(s);
+        *st = (kw__step){.fn = kw_op_get((kw_op_id)s->op)->kernel, .call = call, .fallback = -1};
     }
     return 0;
 }
@@ -447,14 +488,14 @@ static int build_patches(kw_plan *p, const kw_builder *b) {
     return 0;
 }
 
-static int assemble(kw_plan *p, const kw_builder *b, const kw_finish_opts *o, const size_t *work) {
+static int assemble(kw_plan *p, const kw_builder *b, const kw_finish_opts *o, const size_t *work, void **preps) {
     int rc = copy_description(p, b);
     if (!rc) {
         mark_liveness(p);
         rc = place_arena(p);
     }
     if (!rc) rc = allocate_arena(p, work, o->n_threads);
-    if (!rc) rc = build_steps(p, b, work, o->isa);
+    if (!rc) rc = build_steps(p, b, work, preps);
     if (!rc) rc = build_patches(p, b);
     if (!rc) rc = place_barriers(p, o->barrier_every_step);
     return rc;
@@ -483,18 +524,20 @@ int kw_builder_finish(kw_builder *b, const kw_finish_opts *opts, kw_plan **out, 
     if (o.isa < 0) o.isa = (int)kw_cpu_isa();
 
     size_t *work = calloc((size_t)b->n_steps + 1, sizeof *work);
+    void **preps = calloc((size_t)b->n_steps + 1, sizeof *preps);
     kw_plan *p = calloc(1, sizeof *p);
-    int rc = work && p ? 0 : KW_ENOMEM;
-    if (!rc) rc = validate(b, work, msg, msg_len);
+    int rc = work && preps && p ? 0 : KW_ENOMEM;
+    if (!rc) rc = validate(b, o.isa, preps, work, msg, msg_len);
     if (!rc) {
         p->n_threads = o.n_threads;
         p->isa = o.isa;
-        rc = assemble(p, b, &o, work);
+        rc = assemble(p, b, &o, work, preps);
         if (rc) snprintf(msg, msg_len, "finish: %s", kw_strerror(rc));
     } else if (rc == KW_ENOMEM && msg_len && !msg[0]) {
         snprintf(msg, msg_len, "finish: out of memory");
     }
     free(work);
+    free_preps(b, preps, 1); /* those not moved into the plan: a failed finish's */
     if (rc) {
         kw_plan_destroy(p);
         return rc;

@@ -13,9 +13,9 @@
  * cache head are done together so each K/V row is read once per thread. */
 #include "attention.h"
 
-static int attn_from_call(const kw_call *c, kw__attn *a, char *msg, size_t len) {
+static int attention_prepare(const kw_call *c, kw_isa isa, void *prep, char *msg, size_t len) {
     const kw_tensor *o = &c->t[0], *q = &c->t[1], *k = &c->t[2], *v = &c->t[3], *m = &c->t[4];
-    memset(a, 0, sizeof *a);
+    kw__attn *a = prep;
     if (!kw__present(q) || !kw__is_float(q->dtype) || q->ndim != 4 || q->shape[2] != 1 ||
         (q->shape[3] > 1 && q->stride[3] != 1))
         return kw__fail(msg, len, KW_ESHAPE, "attention: q must be float32 or bfloat16 [B, Hq, 1, D] with contiguous D (got %s)",
@@ -42,13 +42,13 @@ static int attn_from_call(const kw_call *c, kw__attn *a, char *msg, size_t len) 
             return kw__fail(msg, len, KW_ESHAPE,
                             "attention: mask must be bool, float32 or bfloat16 [B or 1, 1, 1, S = %lld] with contiguous S (got %s)",
                             (long long)a->S, kw__shape(m).s);
-        a->mask = m->data, a->mt = m->dtype, a->ms = m->shape[0] == 1 ? 0 : m->stride[0];
+        a->mt = m->dtype, a->ms = m->shape[0] == 1 ? 0 : m->stride[0];
     }
-    a->o = o->data, a->q = q->data, a->k = k->data, a->v = v->data;
     a->ot = o->dtype, a->qt = q->dtype, a->kt = k->dtype, a->vt = v->dtype;
     for (int d = 0; d < 2; d++) a->os[d] = o->stride[d], a->qs[d] = q->stride[d];
     for (int d = 0; d < 3; d++) a->ks[d] = k->stride[d], a->vs[d] = v->stride[d];
     a->scale = (float)c->fp[0];
+    a->run = KW__PICK(kw__attention_heads, isa);
     return 0;
 }
 
@@ -89,27 +89,15 @@ void kw__attention_heads_scalar(const kw__attn *a, int64_t h0, int64_t h1, void 
     }
 }
 
-static int attention_check(const kw_call *c, char *msg, size_t len) {
-    kw__attn a;
-    return attn_from_call(c, &a, msg, len);
-}
+static size_t attention_work(const void *prep) { return kw__attn_work_size(prep); }
 
-static size_t attention_work(const kw_call *c) {
-    kw__attn a;
-    return attn_from_call(c, &a, NULL, 0) ? 0 : kw__attn_work_size(&a);
-}
-
-static void attention_run(const kw_call *c, int ith, int nth, kw__attn_fn heads) {
-    kw__attn a;
+static void attention_kernel(const kw_call *c, int ith, int nth) {
+    kw__attn a = *(const kw__attn *)c->prep;
     int64_t h0, h1;
-    if (attn_from_call(c, &a, NULL, 0)) return; /* capture checked it */
+    a.o = c->t[0].data, a.q = c->t[1].data, a.k = c->t[2].data, a.v = c->t[3].data, a.mask = c->t[4].data;
     kw__split(a.B * a.Hq, 1, ith, nth, &h0, &h1);
-    if (h0 < h1) heads(&a, h0, h1, kw__work(c, ith));
+    if (h0 < h1) a.run(&a, h0, h1, kw__work(c, ith));
 }
-
-static void attention_scalar(const kw_call *c, int ith, int nth) { attention_run(c, ith, nth, kw__attention_heads_scalar); }
-static void attention_avx2(const kw_call *c, int ith, int nth) { attention_run(c, ith, nth, kw__attention_heads_avx2); }
-static void attention_avx512(const kw_call *c, int ith, int nth) { attention_run(c, ith, nth, kw__attention_heads_avx512); }
 
 /* Slots out [B, Hq, 1, Dv], q [B, Hq, 1, D], k_cache [B, Hkv, S, D],
  * v_cache [B, Hkv, S, Dv], mask [B or 1, 1, 1, S] (optional; bool or additive);
@@ -119,7 +107,8 @@ const kw_op_info kw_op_info_attention = {
     .n_tensors = 5,
     .arg = {{"out", KW_WRITE, 0}, {"q", KW_READ, 0}, {"k_cache", KW_READ, 0}, {"v_cache", KW_READ, 0}, {"mask", KW_READ, 1}},
     .n_fp = 1,
-    .check = attention_check,
+    .prepare = attention_prepare,
+    .prep_size = sizeof(kw__attn),
     .work_size = attention_work,
-    .kernel = {[KW_ISA_SCALAR] = attention_scalar, [KW_ISA_AVX2] = attention_avx2, [KW_ISA_AVX512] = attention_avx512},
+    .kernel = attention_kernel,
 };

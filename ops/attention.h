@@ -1,12 +1,15 @@
 /* attention.h — private to attention (decode attention over a static KV cache):
- * the job as a struct, built by attention.c and run over a range of query heads
- * per ISA. */
+ * a prepared call as a struct, filled once by attention.c and run over a range
+ * of query heads by the ISA variant prepare picked. */
 #ifndef KW_ATTENTION_H
 #define KW_ATTENTION_H
 
 #include "kw_ops_impl.h"
 
-typedef struct kw__attn {
+typedef struct kw__attn kw__attn;
+typedef void (*kw__attn_fn)(const kw__attn *a, int64_t h0, int64_t h1, void *work);
+
+struct kw__attn {
     int64_t B, Hq, Hkv, G, S, D, Dv; /* G = Hq / Hkv query heads per cache head */
     char *o;
     const char *q, *k, *v, *mask; /* mask NULL: every position is valid */
@@ -15,7 +18,8 @@ typedef struct kw__attn {
     int64_t ms;                   /* stride of the mask's B (0 when broadcast) */
     kw_dtype ot, qt, kt, vt, mt;
     float scale;
-} kw__attn;
+    kw__attn_fn run;
+};
 
 /* Scratch per thread: the valid positions (int32[S]), one head's scores (f32[S]),
  * its query widened (f32[D]) and its output accumulators (f32[Dv]). */
@@ -58,9 +62,6 @@ static inline const char *kw__attn_mask_row(const kw__attn *a, int64_t b) {
     return a->mask ? a->mask + (size_t)(b * a->ms) * kw_dtype_size(a->mt) : NULL;
 }
 
-typedef void (*kw__attn_fn)(const kw__attn *a, int64_t h0, int64_t h1, void *work);
-void kw__attention_heads_scalar(const kw__attn *a, int64_t h0, int64_t h1, void *work);
-void kw__attention_heads_avx2(const kw__attn *a, int64_t h0, int64_t h1, void *work);
-void kw__attention_heads_avx512(const kw__attn *a, int64_t h0, int64_t h1, void *work);
+KW__VARIANTS(void, kw__attention_heads, (const kw__attn *a, int64_t h0, int64_t h1, void *work))
 
 #endif

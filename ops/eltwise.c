@@ -34,18 +34,18 @@ static int ew_init(kw__ew *e, const kw_call *c, int n_in, const char *op, char *
     if (!kw__nd_init(&e->nd, ops, n_in + 1))
         return kw__fail(msg, len, KW_ESHAPE, "%s: inputs %s%s%s must broadcast to y %s", op, kw__shape(ops[1]).s,
                         n_in > 1 ? " and " : "", n_in > 1 ? kw__shape(ops[2]).s : "", kw__shape(ops[0]).s);
-    e->y = c->t[0].data, e->a = c->t[1].data, e->b = n_in > 1 ? c->t[2].data : NULL;
+    e->n_in = n_in;
     e->yt = c->t[0].dtype, e->at = c->t[1].dtype, e->bt = n_in > 1 ? c->t[2].dtype : e->at;
     return 0;
 }
 
 /* ---- binary ---- */
 
-static int binary_from_call(const kw_call *c, kw__ew *e, char *msg, size_t len) {
+static int binary_prepare(const kw_call *c, kw_isa isa, void *prep, char *msg, size_t len) {
     const kw_tensor *y = &c->t[0], *a = &c->t[1], *b = &c->t[2];
     const int has_b = kw__present(b), ints = a->dtype == KW_I64;
+    kw__ew *e = prep;
     int err;
-    memset(e, 0, sizeof *e);
     if (c->ip[0] < 0 || c->ip[0] >= KW_BINARY_COUNT || (ints && c->ip[0] == KW_BINARY_DIV))
         return kw__fail(msg, len, KW_EINVAL, "binary: ip[0] must be a kw_binary_op, not div for int64 (got %lld)",
                         (long long)c->ip[0]);
@@ -59,6 +59,7 @@ static int binary_from_call(const kw_call *c, kw__ew *e, char *msg, size_t len) 
     if ((err = ew_init(e, c, has_b ? 2 : 1, "binary", msg, len))) return err;
     e->mode = (int)c->ip[0];
     e->scalar = c->fp[0];
+    e->run = KW__PICK(kw__binary_share, isa);
     return 0;
 }
 
@@ -103,9 +104,9 @@ void kw__binary_share_scalar(const kw__ew *e, int ith, int nth) {
 
 /* ---- silu_mul ---- */
 
-static int silu_mul_from_call(const kw_call *c, kw__ew *e, char *msg, size_t len) {
+static int silu_mul_prepare(const kw_call *c, kw_isa isa, void *prep, char *msg, size_t len) {
+    kw__ew *e = prep;
     int err;
-    memset(e, 0, sizeof *e);
     if ((err = need(&c->t[0], "silu_mul", "y", 1, msg, len)) || (err = need(&c->t[1], "silu_mul", "gate", 1, msg, len)) ||
         (err = need(&c->t[2], "silu_mul", "up", 1, msg, len)))
         return err;
@@ -113,6 +114,7 @@ static int silu_mul_from_call(const kw_call *c, kw__ew *e, char *msg, size_t len
     if (c->t[0].dtype != yt)
         return kw__fail(msg, len, KW_EDTYPE, "silu_mul: y must be %s, the promoted dtype of gate and up (got %s)",
                         kw_dtype_name(yt), kw__shape(&c->t[0]).s);
+    e->run = KW__PICK(kw__silu_mul_share, isa);
     return ew_init(e, c, 2, "silu_mul", msg, len);
 }
 
@@ -130,9 +132,9 @@ void kw__silu_mul_share_scalar(const kw__ew *e, int ith, int nth) {
 
 /* ---- gelu ---- */
 
-static int gelu_from_call(const kw_call *c, kw__ew *e, char *msg, size_t len) {
+static int gelu_prepare(const kw_call *c, kw_isa isa, void *prep, char *msg, size_t len) {
+    kw__ew *e = prep;
     int err;
-    memset(e, 0, sizeof *e);
     if ((err = need(&c->t[0], "gelu", "y", 1, msg, len)) || (err = need(&c->t[1], "gelu", "x", 1, msg, len))) return err;
     if (c->t[0].dtype != c->t[1].dtype)
         return kw__fail(msg, len, KW_EDTYPE, "gelu: y must have x's dtype %s (got %s)", kw_dtype_name(c->t[1].dtype),
@@ -141,14 +143,17 @@ static int gelu_from_call(const kw_call *c, kw__ew *e, char *msg, size_t len) {
         return kw__fail(msg, len, KW_EINVAL, "gelu: ip[0] must be KW_GELU_ERF or KW_GELU_TANH (got %lld)",
                         (long long)c->ip[0]);
     e->mode = (int)c->ip[0];
+    e->run = KW__PICK(kw__gelu_share, isa);
     return ew_init(e, c, 1, "gelu", msg, len);
 }
 
 /* ---- unary ---- */
 
-static int unary_from_call(const kw_call *c, kw__ew *e, char *msg, size_t len) {
+static void unary_share(const kw__ew *e, int ith, int nth);
+
+static int unary_prepare(const kw_call *c, kw_isa isa, void *prep, char *msg, size_t len) {
+    kw__ew *e = prep;
     int err;
-    memset(e, 0, sizeof *e);
     if ((err = need(&c->t[0], "unary", "y", 1, msg, len)) || (err = need(&c->t[1], "unary", "x", 1, msg, len)))
         return err;
     if (c->t[0].dtype != c->t[1].dtype)
@@ -157,6 +162,7 @@ static int unary_from_call(const kw_call *c, kw__ew *e, char *msg, size_t len) {
     if (c->ip[0] < 0 || c->ip[0] >= KW_UNARY_COUNT)
         return kw__fail(msg, len, KW_EINVAL, "unary: ip[0] must be a kw_unary_op (got %lld)", (long long)c->ip[0]);
     e->mode = (int)c->ip[0];
+    e->run = unary_share; /* scalar only (libm): decode-sized tensors such as rotary tables */
     return ew_init(e, c, 1, "unary", msg, len);
 }
 
@@ -173,21 +179,14 @@ static float unary_f(int op, float x) {
     }
 }
 
-static int unary_check(const kw_call *c, char *msg, size_t len) {
-    kw__ew e;
-    return unary_from_call(c, &e, msg, len);
-}
-
-static void unary_scalar(const kw_call *c, int ith, int nth) {
-    kw__ew e;
-    if (unary_from_call(c, &e, NULL, 0)) return; /* capture checked it */
-    const int last = e.nd.ndim - 1;
-    kw__nd_it it = kw__nd_share(&e.nd, ith, nth);
+static void unary_share(const kw__ew *e, int ith, int nth) {
+    const int last = e->nd.ndim - 1;
+    kw__nd_it it = kw__nd_share(&e->nd, ith, nth);
     int64_t off[2], n;
-    while (kw__nd_next(&e.nd, &it, off, &n))
+    while (kw__nd_next(&e->nd, &it, off, &n))
         for (int64_t i = 0; i < n; i++)
-            kw__stf(e.y, off[0] + i * e.nd.stride[0][last], e.yt,
-                    unary_f(e.mode, kw__ldf(e.a, off[1] + i * e.nd.stride[1][last], e.at)));
+            kw__stf(e->y, off[0] + i * e->nd.stride[0][last], e->yt,
+                    unary_f(e->mode, kw__ldf(e->a, off[1] + i * e->nd.stride[1][last], e->at)));
 }
 
 /* ATen's scalar formulas (activation.cpp): kAlpha = M_SQRT1_2,
@@ -210,11 +209,12 @@ void kw__gelu_share_scalar(const kw__ew *e, int ith, int nth) {
 
 /* ---- convert ---- */
 
-static int convert_from_call(const kw_call *c, kw__ew *e, char *msg, size_t len) {
+static int convert_prepare(const kw_call *c, kw_isa isa, void *prep, char *msg, size_t len) {
+    kw__ew *e = prep;
     int err;
-    memset(e, 0, sizeof *e);
     if ((err = need(&c->t[0], "convert", "y", 0, msg, len)) || (err = need(&c->t[1], "convert", "x", 0, msg, len)))
         return err;
+    e->run = KW__PICK(kw__convert_share, isa);
     return ew_init(e, c, 1, "convert", msg, len);
 }
 
@@ -275,25 +275,11 @@ void kw__convert_share_scalar(const kw__ew *e, int ith, int nth) {
 
 /* ---- ops ---- */
 
-#define KW__EW_OP(name)                                                                                     \
-    static int name##_check(const kw_call *c, char *msg, size_t len) {                                       \
-        kw__ew e;                                                                                            \
-        return name##_from_call(c, &e, msg, len);                                                            \
-    }                                                                                                        \
-    static void name##_run(const kw_call *c, int ith, int nth, kw__ew_fn share) {                            \
-        kw__ew e;                                                                                            \
-        if (!name##_from_call(c, &e, NULL, 0)) share(&e, ith, nth); /* capture checked it */               \
-    }                                                                                                        \
-    static void name##_scalar(const kw_call *c, int ith, int nth) { name##_run(c, ith, nth, kw__##name##_share_scalar); } \
-    static void name##_avx2(const kw_call *c, int ith, int nth) { name##_run(c, ith, nth, kw__##name##_share_avx2); }     \
-    static void name##_avx512(const kw_call *c, int ith, int nth) { name##_run(c, ith, nth, kw__##name##_share_avx512); }
-KW__EW_OP(binary)
-KW__EW_OP(silu_mul)
-KW__EW_OP(gelu)
-KW__EW_OP(convert)
-
-#define KW__EW_KERNELS(name) \
-    {[KW_ISA_SCALAR] = name##_scalar, [KW_ISA_AVX2] = name##_avx2, [KW_ISA_AVX512] = name##_avx512}
+static void ew_kernel(const kw_call *c, int ith, int nth) {
+    kw__ew e = *(const kw__ew *)c->prep;
+    e.y = c->t[0].data, e.a = c->t[1].data, e.b = e.n_in > 1 ? c->t[2].data : NULL;
+    e.run(&e, ith, nth);
+}
 
 /* Slots y, a, b (optional); ip[0] kw_binary_op; fp[0] b when b is absent. */
 const kw_op_info kw_op_info_binary = {
@@ -302,8 +288,9 @@ const kw_op_info kw_op_info_binary = {
     .arg = {{"y", KW_WRITE, 0}, {"a", KW_READ, 0}, {"b", KW_READ, 1}},
     .n_ip = 1,
     .n_fp = 1,
-    .check = binary_check,
-    .kernel = KW__EW_KERNELS(binary),
+    .prepare = binary_prepare,
+    .prep_size = sizeof(kw__ew),
+    .kernel = ew_kernel,
 };
 
 /* Slots y, x; ip[0] kw_unary_op. */
@@ -312,8 +299,9 @@ const kw_op_info kw_op_info_unary = {
     .n_tensors = 2,
     .arg = {{"y", KW_WRITE, 0}, {"x", KW_READ, 0}},
     .n_ip = 1,
-    .check = unary_check,
-    .kernel = {[KW_ISA_SCALAR] = unary_scalar},
+    .prepare = unary_prepare,
+    .prep_size = sizeof(kw__ew),
+    .kernel = ew_kernel,
 };
 
 /* Slots y, gate, up. */
@@ -321,8 +309,9 @@ const kw_op_info kw_op_info_silu_mul = {
     .name = "silu_mul",
     .n_tensors = 3,
     .arg = {{"y", KW_WRITE, 0}, {"gate", KW_READ, 0}, {"up", KW_READ, 0}},
-    .check = silu_mul_check,
-    .kernel = KW__EW_KERNELS(silu_mul),
+    .prepare = silu_mul_prepare,
+    .prep_size = sizeof(kw__ew),
+    .kernel = ew_kernel,
 };
 
 /* Slots y, x; ip[0] KW_GELU_ERF or KW_GELU_TANH. */
@@ -331,8 +320,9 @@ const kw_op_info kw_op_info_gelu = {
     .n_tensors = 2,
     .arg = {{"y", KW_WRITE, 0}, {"x", KW_READ, 0}},
     .n_ip = 1,
-    .check = gelu_check,
-    .kernel = KW__EW_KERNELS(gelu),
+    .prepare = gelu_prepare,
+    .prep_size = sizeof(kw__ew),
+    .kernel = ew_kernel,
 };
 
 /* Slots y, x (x broadcast to y; also a plain strided copy when dtypes match). */
@@ -340,6 +330,7 @@ const kw_op_info kw_op_info_convert = {
     .name = "convert",
     .n_tensors = 2,
     .arg = {{"y", KW_WRITE, 0}, {"x", KW_READ, 0}},
-    .check = convert_check,
-    .kernel = KW__EW_KERNELS(convert),
+    .prepare = convert_prepare,
+    .prep_size = sizeof(kw__ew),
+    .kernel = ew_kernel,
 };

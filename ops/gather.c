@@ -1,6 +1,7 @@
 /* Row copies addressed by an index tensor; dtypes may differ (each element is
  * converted as .to() would). Copies of equal dtype are memcpy, which libc already
- * vectorises, so these ops have only the portable kernel. Threads split rows.
+ * vectorises, so these ops have one portable kernel and no ISA variants. Threads
+ * split rows.
  *
  * embedding: y[i, :] = table[ids[i], :]. An id outside [0, V) is reported (the
  *   replay then fails with KW_EINDEX, as PyTorch raises an IndexError) and its
@@ -28,7 +29,8 @@ static int index_ok(const kw_tensor *t) {
 
 /* ---- embedding: slots y [..., D], ids [...] (int64 or int32), table [V, D] ---- */
 
-static int embedding_check(const kw_call *c, char *msg, size_t len) {
+/* The kernels read sizes and strides from the call itself: nothing to prepare. */
+static int embedding_prepare(const kw_call *c, kw_isa isa, void *prep, char *msg, size_t len) {
     const kw_tensor *y = &c->t[0], *ids = &c->t[1], *tab = &c->t[2];
     int64_t rows, rs;
     if (!index_ok(ids))
@@ -43,7 +45,7 @@ static int embedding_check(const kw_call *c, char *msg, size_t len) {
     return 0;
 }
 
-static void embedding_scalar(const kw_call *c, int ith, int nth) {
+static void embedding_kernel(const kw_call *c, int ith, int nth) {
     const kw_tensor *y = &c->t[0], *ids = &c->t[1], *tab = &c->t[2];
     const int64_t V = tab->shape[0], D = tab->shape[1];
     int64_t rows, rs, r0, r1;
@@ -64,13 +66,13 @@ const kw_op_info kw_op_info_embedding = {
     .name = "embedding",
     .n_tensors = 3,
     .arg = {{"y", KW_WRITE, 0}, {"ids", KW_READ, 0}, {"table", KW_READ, 0}},
-    .check = embedding_check,
-    .kernel = {[KW_ISA_SCALAR] = embedding_scalar},
+    .prepare = embedding_prepare,
+    .kernel = embedding_kernel,
 };
 
 /* ---- kv_write: slots cache [B, H, S, D] (modified), src [B, H, T, D], pos [T] ---- */
 
-static int kv_write_check(const kw_call *c, char *msg, size_t len) {
+static int kv_write_prepare(const kw_call *c, kw_isa isa, void *prep, char *msg, size_t len) {
     const kw_tensor *cache = &c->t[0], *src = &c->t[1], *pos = &c->t[2];
     if (!kw__present(cache) || !kw__is_float(cache->dtype) || cache->ndim != 4 ||
         (cache->shape[3] > 1 && cache->stride[3] != 1))
@@ -86,7 +88,7 @@ static int kv_write_check(const kw_call *c, char *msg, size_t len) {
     return 0;
 }
 
-static void kv_write_scalar(const kw_call *c, int ith, int nth) {
+static void kv_write_kernel(const kw_call *c, int ith, int nth) {
     const kw_tensor *cache = &c->t[0], *src = &c->t[1], *pos = &c->t[2];
     const int64_t H = src->shape[1], T = src->shape[2], S = cache->shape[2], D = cache->shape[3];
     int64_t r0, r1;
@@ -106,6 +108,6 @@ const kw_op_info kw_op_info_kv_write = {
     .name = "kv_write",
     .n_tensors = 3,
     .arg = {{"cache", KW_MODIFY, 0}, {"src", KW_READ, 0}, {"pos", KW_READ, 0}},
-    .check = kv_write_check,
-    .kernel = {[KW_ISA_SCALAR] = kv_write_scalar},
+    .prepare = kv_write_prepare,
+    .kernel = kv_write_kernel,
 };

@@ -1,6 +1,6 @@
-/* kw_ops.h — the op registry: what each kernel is called, what its tensor slots
- * mean, what it accepts, and which ISA variants exist. A new op is one line in
- * ops.def, one kw_op_info in its own source file, and its kernels. */
+/* kw_ops.h — the op registry: what each op is called, what its tensor slots
+ * mean, what it accepts, how a call is prepared once and run every replay.
+ * ops/README.md has the recipe for a new op. */
 #ifndef KW_OPS_H
 #define KW_OPS_H
 
@@ -110,19 +110,27 @@ typedef struct kw_op_info {
     int n_tensors;
     kw_arg arg[KW_CALL_MAX_TENSORS];
     int n_ip, n_fp; /* how many of c->ip / c->fp the op reads */
-    /* Accepts or rejects a call's dtypes, shapes and parameters; on rejection
-     * writes a message naming the tensor and the problem and returns KW_E*. */
-    int (*check)(const kw_call *c, char *msg, size_t msg_len);
-    /* Per-thread scratch bytes; NULL when the op needs none. */
-    size_t (*work_size)(const kw_call *c);
+    /* The op's rules and its preparation, in one place, run once when a plan is
+     * finished: accepts or rejects the call's dtypes, shapes and parameters (on
+     * rejection: KW_E* and a message naming the tensor and the problem) and fills
+     * `prep` (prep_size bytes, zeroed) with everything the kernel needs besides
+     * the data pointers: sizes, strides, modes, the variant for `isa` (the best
+     * at or below it), primitives. Data pointers are only tested for absence. */
+    int (*prepare)(const kw_call *c, kw_isa isa, void *prep, char *msg, size_t msg_len);
+    size_t prep_size;
+    void (*release)(void *prep);            /* frees what prepare made; NULL: nothing to free */
+    size_t (*work_size)(const void *prep);  /* per-thread scratch bytes; NULL: none */
     int shares_work; /* hands work out through kw_call.share when it has one */
-    kw_kernel_fn kernel[KW_ISA_COUNT]; /* NULL where no variant for that ISA */
+    kw_kernel_fn kernel; /* runs a prepared call; no error path */
 } kw_op_info;
 
 const kw_op_info *kw_op_get(kw_op_id id);
 /* The op id for a name, or -1. */
 int kw_op_find(const char *name);
-/* The best variant at or below `isa`; the scalar reference always exists. */
-kw_kernel_fn kw_op_kernel(kw_op_id id, kw_isa isa);
+/* Prepares c for `isa` into prep (kw_op_prep_size bytes, zeroed here) and points
+ * c->prep at it: what capture does for each step, and tests and benchmarks for
+ * the calls they run. 0 or KW_E* with the message. */
+int kw_op_prepare(kw_op_id id, kw_call *c, kw_isa isa, void *prep, char *msg, size_t msg_len);
+size_t kw_op_prep_size(kw_op_id id);
 
 #endif

@@ -127,6 +127,24 @@ static inline char *kw__ptr(const kw_tensor *t, int64_t elem_offset) {
     return (char *)t->data + elem_offset * (int64_t)kw_dtype_size(t->dtype);
 }
 
+/* ---- ISA variants ------------------------------------------------------------------
+ * A function with vector variants has its scalar reference fn_scalar in its
+ * family's <family>.c, and its vector body, written once over simd.h, in
+ * <family>_simd.c, which ops/CMakeLists.txt compiles once per vector ISA with
+ * that ISA's flags alone (simd.h names each build's copy fn_avx2, fn_avx512,
+ * fn_avx512bf16). KW__VARIANTS declares the four; an op's prepare stores
+ * KW__PICK(fn, isa), the variant for the plan's ISA cap, in its prepared call. */
+#define KW__VARIANTS(ret, fn, params) \
+    ret fn##_scalar params;           \
+    ret fn##_avx2 params;             \
+    ret fn##_avx512 params;           \
+    ret fn##_avx512bf16 params;
+#define KW__PICK(fn, isa)                          \
+    ((isa) >= KW_ISA_AVX512BF16 ? fn##_avx512bf16 \
+     : (isa) >= KW_ISA_AVX512   ? fn##_avx512     \
+     : (isa) >= KW_ISA_AVX2     ? fn##_avx2       \
+                                : fn##_scalar)
+
 /* Thread ith's scratch (kw_call.work), sized by the op's work_size. */
 static inline void *kw__work(const kw_call *c, int ith) {
     return c->work ? (char *)c->work + (size_t)ith * c->work_stride : NULL;

@@ -97,12 +97,14 @@ typedef struct kw_call {
     void *work;
     size_t work_stride;
     void *share;
-    kw_fault *fault; /* where an index out of range is reported; NULL: nowhere */
+    kw_fault *fault;  /* where an index out of range is reported; NULL: nowhere */
+    const void *prep; /* what the op's prepare made of this call (kw_op_info.prepare) */
 } kw_call;
 
 /* Every thread of the pool calls the kernel with its own (ith, nth) and does its
  * part; kernels never wait for each other (claiming work through `share` is a
- * lock-free hand-out, never a wait). */
+ * lock-free hand-out, never a wait). A kernel runs a prepared call: it reads
+ * c->prep and the tensors' data pointers and checks nothing. */
 typedef void (*kw_kernel_fn)(const kw_call *c, int ith, int nth);
 
 #endif

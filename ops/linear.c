@@ -1,6 +1,6 @@
 /* linear: y = x·Wᵀ (+ bias) for the few rows of decode (GEMV), and linear_multi:
  * one pass over x for weights stored back to back (q/k/v, gate/up) with the result
- * split over up to three outputs.
+ * split over up to four outputs.
  *
  * Weights are PyTorch's [out, in] layout, F32 or BF16. Activations F32: bf16
  * weights are widened exactly and every product is accumulated in f32, so the
@@ -21,20 +21,18 @@ static int lin_check_out(const kw_call *c, const char *op, int j, const kw__lin 
         return kw__fail(msg, len, KW_ESHAPE,
                         "%s: output %d must be %lld contiguous rows like x (got %s with strides of last dim %lld)",
                         op, j, (long long)g->M, kw__shape(y).s, (long long)(y->ndim ? y->stride[y->ndim - 1] : 0));
-    o->y = y->data;
     o->n = kw__last(y);
     return 0;
 }
 
-int kw__lin_from_call(const kw_call *c, const char *op, int n_out, kw__lin *g, char *msg, size_t len) {
+int kw__lin_prepare(const kw_call *c, const char *op, int n_out, kw_isa isa, kw__lin *g, char *msg, size_t len) {
     const kw_tensor *x = &c->t[n_out], *w = &c->t[n_out + 1], *b = &c->t[n_out + 2];
     int err;
-    memset(g, 0, sizeof *g);
+    g->slots = n_out;
     if (!kw__present(x) || !kw__is_float(x->dtype) || !kw__rows_of(x, &g->M, &g->xs) || kw__last(x) < 1)
         return kw__fail(msg, len, KW_ESHAPE,
                         "%s: x must be float32 or bfloat16 [..., K] with K >= 1 and rows of contiguous K (got %s)",
                         op, kw__shape(x).s);
-    g->x = x->data;
     g->xt = g->yt = x->dtype;
     g->K = kw__last(x);
 
@@ -64,7 +62,6 @@ int kw__lin_from_call(const kw_call *c, const char *op, int n_out, kw__lin *g, c
                         "K == x.shape[-1] == %lld, N == %lld (the outputs' last dims summed) and contiguous rows "
                         "(got %s)",
                         op, (long long)g->K, (long long)g->n_total, kw__shape(w).s);
-    g->w = w->data;
     g->ws = w->stride[blocked];
     g->wbs = blocked ? w->stride[0] : 0;
     g->kblk = kblk;
@@ -74,10 +71,11 @@ int kw__lin_from_call(const kw_call *c, const char *op, int n_out, kw__lin *g, c
         if (!kw__is_float(b->dtype) || b->ndim != 1 || b->shape[0] != g->n_total)
             return kw__fail(msg, len, KW_ESHAPE, "%s: bias must be float32 or bfloat16 [N] with N == %lld (got %s)",
                             op, (long long)g->n_total, kw__shape(b).s);
-        g->b = b->data;
         g->bs = b->stride[0];
         g->bt = b->dtype;
     }
+    g->acts = KW__PICK(kw__linear_acts, isa);
+    g->rows = KW__PICK(kw__linear_rows, isa);
     return 0;
 }
 
@@ -103,82 +101,47 @@ int64_t kw_linear_block(int64_t K) {
     return K > KW_LINEAR_BLOCK && K % KW_LINEAR_BLOCK == 0 ? KW_LINEAR_BLOCK : 0;
 }
 
-void kw__linear_prepare_scalar(const kw__lin *g, void *work) { (void)g, (void)work; }
+void kw__linear_acts_scalar(const kw__lin *g, void *work) { (void)g, (void)work; }
 
-static const struct {
-    kw__lin_prepare_fn prepare;
-    kw__lin_rows_fn rows;
-} lin_isa[KW_ISA_COUNT] = {
-    [KW_ISA_SCALAR] = {kw__linear_prepare_scalar, kw__linear_rows_scalar},
-    [KW_ISA_AVX2] = {kw__linear_prepare_avx2, kw__linear_rows_avx2},
-    [KW_ISA_AVX512] = {kw__linear_prepare_avx512, kw__linear_rows_avx512},
-    [KW_ISA_AVX512BF16] = {kw__linear_prepare_avx512bf16, kw__linear_rows_avx512bf16},
-};
-
-void kw__linear_run(const kw_call *c, int n_out, int ith, int nth, kw_isa isa) {
-    kw__lin g;
-    if (kw__lin_from_call(c, "", n_out, &g, NULL, 0)) return; /* capture checked it */
+void kw__linear_run(const kw_call *c, const kw__lin *prepared, int ith, int nth) {
+    kw__lin g = *prepared;
+    g.x = c->t[g.slots].data, g.w = c->t[g.slots + 1].data, g.b = c->t[g.slots + 2].data;
+    for (int j = 0; j < g.n_out; j++) g.out[j].y = c->t[j].data;
     void *work = kw__work(c, ith);
     int64_t own = 0, n0, n1;
-    for (int prepared = 0; kw__lin_claim(&g, c->share, &own, ith, nth, &n0, &n1); prepared = 1) {
-        if (!prepared) lin_isa[isa].prepare(&g, work);
-        lin_isa[isa].rows(&g, n0, n1, work);
+    for (int laid_out = 0; kw__lin_claim(&g, c->share, &own, ith, nth, &n0, &n1); laid_out = 1) {
+        if (!laid_out) g.acts(&g, work);
+        g.rows(&g, n0, n1, work);
     }
 }
+
+static void linear_kernel(const kw_call *c, int ith, int nth) { kw__linear_run(c, c->prep, ith, nth); }
 
 /* ---- linear: slots y [..., N], x [..., K], weight [N, K] or K-blocked [K / B, N, B],
  * bias [N] (optional) ---- */
 
-static int linear_check(const kw_call *c, char *msg, size_t len) {
-    kw__lin g;
-    return kw__lin_from_call(c, "linear", 1, &g, msg, len);
+static int linear_prepare(const kw_call *c, kw_isa isa, void *prep, char *msg, size_t len) {
+    return kw__lin_prepare(c, "linear", 1, isa, prep, msg, len);
 }
-
-static size_t linear_work(const kw_call *c) {
-    kw__lin g;
-    return kw__lin_from_call(c, "linear", 1, &g, NULL, 0) ? 0 : kw__lin_work_size(&g);
-}
-
-#define KW__LIN_KERNEL(op, n_out, isa, ISA)                      \
-    static void op##_##isa(const kw_call *c, int ith, int nth) { \
-        kw__linear_run(c, n_out, ith, nth, KW_ISA_##ISA);        \
-    }
-KW__LIN_KERNEL(linear, 1, scalar, SCALAR)
-KW__LIN_KERNEL(linear, 1, avx2, AVX2)
-KW__LIN_KERNEL(linear, 1, avx512, AVX512)
-KW__LIN_KERNEL(linear, 1, avx512bf16, AVX512BF16)
 
 const kw_op_info kw_op_info_linear = {
     .name = "linear",
     .n_tensors = 4,
     .arg = {{"y", KW_WRITE, 0}, {"x", KW_READ, 0}, {"weight", KW_READ, 0}, {"bias", KW_READ, 1}},
-    .check = linear_check,
-    .work_size = linear_work,
+    .prepare = linear_prepare,
+    .prep_size = sizeof(kw__lin),
+    .work_size = kw__lin_work,
     .shares_work = 1,
-    .kernel = {[KW_ISA_SCALAR] = linear_scalar,
-               [KW_ISA_AVX2] = linear_avx2,
-               [KW_ISA_AVX512] = linear_avx512,
-               [KW_ISA_AVX512BF16] = linear_avx512bf16},
+    .kernel = linear_kernel,
 };
 
 /* ---- linear_multi: slots y0, y1, y2, y3, x, weight, bias ----
  * Output j takes the next y_j.shape[-1] rows of the weight; absent outputs
  * (only at the end) take none. One output is the concatenated form. */
 
-static int linear_multi_check(const kw_call *c, char *msg, size_t len) {
-    kw__lin g;
-    return kw__lin_from_call(c, "linear_multi", KW__LIN_MAX_OUT, &g, msg, len);
+static int linear_multi_prepare(const kw_call *c, kw_isa isa, void *prep, char *msg, size_t len) {
+    return kw__lin_prepare(c, "linear_multi", KW__LIN_MAX_OUT, isa, prep, msg, len);
 }
-
-static size_t linear_multi_work(const kw_call *c) {
-    kw__lin g;
-    return kw__lin_from_call(c, "linear_multi", KW__LIN_MAX_OUT, &g, NULL, 0) ? 0 : kw__lin_work_size(&g);
-}
-
-KW__LIN_KERNEL(linear_multi, KW__LIN_MAX_OUT, scalar, SCALAR)
-KW__LIN_KERNEL(linear_multi, KW__LIN_MAX_OUT, avx2, AVX2)
-KW__LIN_KERNEL(linear_multi, KW__LIN_MAX_OUT, avx512, AVX512)
-KW__LIN_KERNEL(linear_multi, KW__LIN_MAX_OUT, avx512bf16, AVX512BF16)
 
 const kw_op_info kw_op_info_linear_multi = {
     .name = "linear_multi",
@@ -190,11 +153,9 @@ const kw_op_info kw_op_info_linear_multi = {
             {"x", KW_READ, 0},
             {"weight", KW_READ, 0},
             {"bias", KW_READ, 1}},
-    .check = linear_multi_check,
-    .work_size = linear_multi_work,
+    .prepare = linear_multi_prepare,
+    .prep_size = sizeof(kw__lin),
+    .work_size = kw__lin_work,
     .shares_work = 1,
-    .kernel = {[KW_ISA_SCALAR] = linear_multi_scalar,
-               [KW_ISA_AVX2] = linear_multi_avx2,
-               [KW_ISA_AVX512] = linear_multi_avx512,
-               [KW_ISA_AVX512BF16] = linear_multi_avx512bf16},
+    .kernel = linear_kernel,
 };

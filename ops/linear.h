@@ -1,6 +1,6 @@
 /* linear.h — private to the linear family (linear, linear_multi, matmul_dnnl): one
- * y = x·Wᵀ (+ bias) job as a plain struct, built by linear.c from a kw_call and run
- * over a range of weight rows by each ISA's kw__linear_rows_<isa>. */
+ * prepared y = x·Wᵀ (+ bias) call as a plain struct, filled once by linear.c and
+ * run over a range of weight rows by the ISA variant prepare picked. */
 #ifndef KW_LINEAR_H
 #define KW_LINEAR_H
 
@@ -14,7 +14,15 @@ typedef struct kw__lin_out {
     int64_t n;  /* this output's weight rows (its last dim) */
 } kw__lin_out;
 
-typedef struct kw__lin {
+typedef struct kw__lin kw__lin;
+
+/* Per ISA: `acts` lays out the activations in the thread's scratch (`work`, at
+ * least kw__lin_work_size bytes) once per call, then `rows` computes weight rows
+ * [n0, n1) of every output row, as many times as the thread claims rows. */
+KW__VARIANTS(void, kw__linear_acts, (const kw__lin *g, void *work))
+KW__VARIANTS(void, kw__linear_rows, (const kw__lin *g, int64_t n0, int64_t n1, void *work))
+
+struct kw__lin {
     const char *x; /* M rows of K, row stride xs */
     int64_t xs, M, K;
     kw_dtype xt;
@@ -27,27 +35,16 @@ typedef struct kw__lin {
     int64_t bs;
     kw_dtype bt;
     kw_dtype yt;
-    int n_out; /* weight rows are split over the outputs in order */
+    int slots;  /* the call's output slots before x: 1, or KW__LIN_MAX_OUT (linear_multi) */
+    int n_out;  /* weight rows are split over the outputs given, in order */
     kw__lin_out out[KW__LIN_MAX_OUT];
-} kw__lin;
+    void (*acts)(const kw__lin *g, void *work);
+    void (*rows)(const kw__lin *g, int64_t n0, int64_t n1, void *work);
+};
 
-/* Per ISA: `prepare` lays out the activations in the thread's scratch (`work`,
- * at least kw__lin_work_size bytes) once per call, then `rows` computes weight
- * rows [n0, n1) of every output row, as many times as the thread claims rows. */
-typedef void (*kw__lin_prepare_fn)(const kw__lin *g, void *work);
-typedef void (*kw__lin_rows_fn)(const kw__lin *g, int64_t n0, int64_t n1, void *work);
-
-#define KW__LIN_ISA(isa)                                           \
-    void kw__linear_prepare_##isa(const kw__lin *g, void *work); \
-    void kw__linear_rows_##isa(const kw__lin *g, int64_t n0, int64_t n1, void *work);
-KW__LIN_ISA(scalar)
-KW__LIN_ISA(avx2)
-KW__LIN_ISA(avx512)
-KW__LIN_ISA(avx512bf16)
-#undef KW__LIN_ISA
-
-/* The linear family's kernel body: claims rows and runs the ISA's tiles on them. */
-void kw__linear_run(const kw_call *c, int n_out, int ith, int nth, kw_isa isa);
+/* The linear family's kernel body on a prepared call: binds this replay's data
+ * pointers, claims rows and runs the ISA's tiles on them. */
+void kw__linear_run(const kw_call *c, const kw__lin *prepared, int ith, int nth);
 
 /* Rows are handed out in chunks of about 64 KiB of weights (whole groups of 16).
  * Thread t owns a static range of chunks and works through it from the front;
@@ -136,8 +133,11 @@ static inline float kw__lin_bias(const kw__lin *g, int64_t n) {
     return g->b ? kw__round_to(kw__ldf(g->b, n * g->bs, g->bt), g->xt) : 0.0f;
 }
 
-/* Fills *g from a call whose slots are (outputs..., x, weight, bias); n_out outputs
- * start at slot 0. Returns 0 or KW_E* with a message naming the bad slot. */
-int kw__lin_from_call(const kw_call *c, const char *op, int n_out, kw__lin *g, char *msg, size_t len);
+/* Prepares *g (zeroed) from a call whose slots are (outputs..., x, weight, bias);
+ * `slots` outputs start at slot 0. Returns 0 or KW_E* with a message naming the
+ * bad slot. */
+int kw__lin_prepare(const kw_call *c, const char *op, int slots, kw_isa isa, kw__lin *g, char *msg, size_t len);
+
+static inline size_t kw__lin_work(const void *prep) { return kw__lin_work_size(prep); }
 
 #endif

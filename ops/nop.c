@@ -8,5 +8,5 @@ static void nop_kernel(const kw_call *c, int ith, int nth) {
 const kw_op_info kw_op_info_nop = {
     .name = "nop",
     .n_tensors = 0,
-    .kernel = {[KW_ISA_SCALAR] = nop_kernel},
+    .kernel = nop_kernel,
 };

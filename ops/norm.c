@@ -33,16 +33,25 @@ static int vec_ref(const kw_tensor *t, int64_t K, kw__row_ref *r) {
     return !t->data || (kw__is_float(t->dtype) && t->ndim == 1 && t->shape[0] == K && (K == 1 || t->stride[0] == 1));
 }
 
-static int norm_from_call(const kw_call *c, enum norm_kind kind, kw__norm *p, char *msg, size_t len) {
+/* The data pointers of this replay's call. */
+static void norm_bind(kw__norm *p, const kw_call *c) {
+    const int add = p->kind == NORM_ADD_RMS;
+    p->y.p = c->t[0].data;
+    p->x.p = c->t[add ? 2 : 1].data;
+    p->w.p = c->t[add ? 4 : 2].data;
+    if (add) p->sum.p = c->t[1].data, p->res.p = c->t[3].data;
+    if (p->kind == NORM_LAYER) p->b.p = c->t[3].data;
+}
+
+static int norm_prepare(const kw_call *c, enum norm_kind kind, kw_isa isa, kw__norm *p, char *msg, size_t len) {
     const char *op = norm_name[kind];
     const int xi = kind == NORM_ADD_RMS ? 2 : 1, wi = kind == NORM_ADD_RMS ? 4 : 2;
     const kw_tensor *y = &c->t[0], *x = &c->t[xi];
-    memset(p, 0, sizeof *p);
+    p->kind = kind;
     if (!kw__present(x) || !kw__is_float(x->dtype) || !kw__rows_of(x, &p->rows, &p->x.rs) || kw__last(x) < 1)
         return kw__fail(msg, len, KW_ESHAPE,
                         "%s: x must be float32 or bfloat16 [..., K], K >= 1, rows of contiguous K (got %s)", op,
                         kw__shape(x).s);
-    p->x.p = x->data;
     p->x.dt = x->dtype;
     p->K = kw__last(x);
     if (!vec_ref(&c->t[wi], p->K, &p->w))
@@ -76,6 +85,7 @@ static int norm_from_call(const kw_call *c, enum norm_kind kind, kw__norm *p, ch
     if (!(c->fp[0] >= 0.0))
         return kw__fail(msg, len, KW_EINVAL, "%s: fp[0] (eps) must be >= 0 (got %g)", op, c->fp[0]);
     p->eps = (float)c->fp[0];
+    p->run = kind == NORM_LAYER ? KW__PICK(kw__layer_norm_rows, isa) : KW__PICK(kw__rms_norm_rows, isa);
     return 0;
 }
 
@@ -136,25 +146,21 @@ void kw__layer_norm_rows_scalar(const kw__norm *p, int64_t r0, int64_t r1) {
 
 /* ---- ops ---- */
 
-static void norm_run(const kw_call *c, enum norm_kind kind, int ith, int nth, kw__norm_rows_fn rows) {
-    kw__norm p;
+static void norm_kernel(const kw_call *c, int ith, int nth) {
+    kw__norm p = *(const kw__norm *)c->prep;
     int64_t r0, r1;
-    if (norm_from_call(c, kind, &p, NULL, 0)) return; /* capture checked it */
+    norm_bind(&p, c);
     kw__split(p.rows, 1, ith, nth, &r0, &r1);
-    if (r0 < r1) rows(&p, r0, r1);
+    if (r0 < r1) p.run(&p, r0, r1);
 }
 
-#define KW__NORM_OP(op, kind, rowfn)                                                                \
-    static int op##_check(const kw_call *c, char *msg, size_t len) {                                \
-        kw__norm p;                                                                                  \
-        return norm_from_call(c, kind, &p, msg, len);                                                \
-    }                                                                                                \
-    static void op##_scalar(const kw_call *c, int ith, int nth) { norm_run(c, kind, ith, nth, rowfn##_scalar); } \
-    static void op##_avx2(const kw_call *c, int ith, int nth) { norm_run(c, kind, ith, nth, rowfn##_avx2); }     \
-    static void op##_avx512(const kw_call *c, int ith, int nth) { norm_run(c, kind, ith, nth, rowfn##_avx512); }
-KW__NORM_OP(rms_norm, NORM_RMS, kw__rms_norm_rows)
-KW__NORM_OP(add_rms_norm, NORM_ADD_RMS, kw__rms_norm_rows)
-KW__NORM_OP(layer_norm, NORM_LAYER, kw__layer_norm_rows)
+#define KW__NORM_PREPARE(op, kind)                                                                  \
+    static int op##_prepare(const kw_call *c, kw_isa isa, void *prep, char *msg, size_t len) {      \
+        return norm_prepare(c, kind, isa, prep, msg, len);                                          \
+    }
+KW__NORM_PREPARE(rms_norm, NORM_RMS)
+KW__NORM_PREPARE(add_rms_norm, NORM_ADD_RMS)
+KW__NORM_PREPARE(layer_norm, NORM_LAYER)
 
 /* Slots y, x, weight (optional); fp[0] eps; ip[0] flags (KW_NORM_GEMMA). */
 const kw_op_info kw_op_info_rms_norm = {
@@ -163,8 +169,9 @@ const kw_op_info kw_op_info_rms_norm = {
     .arg = {{"y", KW_WRITE, 0}, {"x", KW_READ, 0}, {"weight", KW_READ, 1}},
     .n_ip = 1,
     .n_fp = 1,
-    .check = rms_norm_check,
-    .kernel = {[KW_ISA_SCALAR] = rms_norm_scalar, [KW_ISA_AVX2] = rms_norm_avx2, [KW_ISA_AVX512] = rms_norm_avx512},
+    .prepare = rms_norm_prepare,
+    .prep_size = sizeof(kw__norm),
+    .kernel = norm_kernel,
 };
 
 /* Slots y, sum, x, residual, weight (optional); fp[0] eps; ip[0] flags.
@@ -175,10 +182,9 @@ const kw_op_info kw_op_info_add_rms_norm = {
     .arg = {{"y", KW_WRITE, 0}, {"sum", KW_WRITE, 0}, {"x", KW_READ, 0}, {"residual", KW_READ, 0}, {"weight", KW_READ, 1}},
     .n_ip = 1,
     .n_fp = 1,
-    .check = add_rms_norm_check,
-    .kernel = {[KW_ISA_SCALAR] = add_rms_norm_scalar,
-               [KW_ISA_AVX2] = add_rms_norm_avx2,
-               [KW_ISA_AVX512] = add_rms_norm_avx512},
+    .prepare = add_rms_norm_prepare,
+    .prep_size = sizeof(kw__norm),
+    .kernel = norm_kernel,
 };
 
 /* Slots y, x, weight (optional), bias (optional); fp[0] eps. */
@@ -187,8 +193,7 @@ const kw_op_info kw_op_info_layer_norm = {
     .n_tensors = 4,
     .arg = {{"y", KW_WRITE, 0}, {"x", KW_READ, 0}, {"weight", KW_READ, 1}, {"bias", KW_READ, 1}},
     .n_fp = 1,
-    .check = layer_norm_check,
-    .kernel = {[KW_ISA_SCALAR] = layer_norm_scalar,
-               [KW_ISA_AVX2] = layer_norm_avx2,
-               [KW_ISA_AVX512] = layer_norm_avx512},
+    .prepare = layer_norm_prepare,
+    .prep_size = sizeof(kw__norm),
+    .kernel = norm_kernel,
 };

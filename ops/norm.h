@@ -1,28 +1,28 @@
 /* norm.h — private to the row normalisations (rms_norm, add_rms_norm, layer_norm):
- * one job as a struct of row-addressed tensors, built by norm.c from a kw_call and
- * run over a range of rows by each ISA's functions. */
+ * one prepared call as a struct of row-addressed tensors (norm.c fills it once;
+ * the kernel binds each replay's data pointers) run over a range of rows by the
+ * ISA variant prepare picked. */
 #ifndef KW_NORM_H
 #define KW_NORM_H
 
 #include "kw_ops_impl.h"
 
-typedef struct kw__norm {
+typedef struct kw__norm kw__norm;
+typedef void (*kw__norm_rows_fn)(const kw__norm *p, int64_t r0, int64_t r1);
+
+struct kw__norm {
+    int kind; /* enum norm_kind (norm.c) */
     int64_t rows, K;
     kw__row_ref y, x;
     kw__row_ref res, sum; /* add_rms_norm: sum = x + res, normalised into y */
     kw__row_ref w, b;     /* contiguous [K] weight and bias */
     float eps;
     int gemma;
-} kw__norm;
+    kw__norm_rows_fn run;
+};
 
-typedef void (*kw__norm_rows_fn)(const kw__norm *p, int64_t r0, int64_t r1);
-
-void kw__rms_norm_rows_scalar(const kw__norm *p, int64_t r0, int64_t r1);
-void kw__rms_norm_rows_avx2(const kw__norm *p, int64_t r0, int64_t r1);
-void kw__rms_norm_rows_avx512(const kw__norm *p, int64_t r0, int64_t r1);
-void kw__layer_norm_rows_scalar(const kw__norm *p, int64_t r0, int64_t r1);
-void kw__layer_norm_rows_avx2(const kw__norm *p, int64_t r0, int64_t r1);
-void kw__layer_norm_rows_avx512(const kw__norm *p, int64_t r0, int64_t r1);
+KW__VARIANTS(void, kw__rms_norm_rows, (const kw__norm *p, int64_t r0, int64_t r1))
+KW__VARIANTS(void, kw__layer_norm_rows, (const kw__norm *p, int64_t r0, int64_t r1))
 
 static inline kw_dtype kw__promote(kw_dtype a, kw_dtype b) {
     return a == KW_F32 || b == KW_F32 ? KW_F32 : a;

@@ -22,10 +22,16 @@ int kw_op_find(const char *name) {
     return -1;
 }
 
-kw_kernel_fn kw_op_kernel(kw_op_id id, kw_isa isa) {
+size_t kw_op_prep_size(kw_op_id id) {
     const kw_op_info *info = kw_op_get(id);
-    if (!info) return NULL;
-    for (int i = (int)isa; i >= 0; i--)
-        if (info->kernel[i]) return info->kernel[i];
-    return NULL;
+    return info && info->prep_size ? info->prep_size : 1;
+}
+
+int kw_op_prepare(kw_op_id id, kw_call *c, kw_isa isa, void *prep, char *msg, size_t len) {
+    const kw_op_info *info = kw_op_get(id);
+    if (msg && len) msg[0] = '\0';
+    if (!info) return KW_EINVAL;
+    memset(prep, 0, kw_op_prep_size(id));
+    c->prep = prep;
+    return info->prepare ? info->prepare(c, isa, prep, msg, len) : 0;
 }

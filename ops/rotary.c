@@ -20,9 +20,9 @@ static int bcast_strides(const kw_tensor *t, const int64_t *shape4, int64_t *st)
     return 1;
 }
 
-static int rope_from_call(const kw_call *c, kw__rope *p, char *msg, size_t len) {
+static int rotary_prepare(const kw_call *c, kw_isa isa, void *prep, char *msg, size_t len) {
     const kw_tensor *y = &c->t[0], *x = &c->t[1], *cs = &c->t[2], *sn = &c->t[3];
-    memset(p, 0, sizeof *p);
+    kw__rope *p = prep;
     if (!kw__present(x) || !kw__is_float(x->dtype) || x->ndim != 4 || (x->shape[3] > 1 && x->stride[3] != 1))
         return kw__fail(msg, len, KW_ESHAPE, "rotary: x must be float32 or bfloat16 [B, H, S, D] with contiguous D (got %s)",
                         kw__shape(x).s);
@@ -49,9 +49,9 @@ static int rope_from_call(const kw_call *c, kw__rope *p, char *msg, size_t len) 
     if (!kw__present(y) || y->dtype != yt || !kw__same_shape(y, x) || (p->D > 1 && y->stride[3] != 1))
         return kw__fail(msg, len, KW_ESHAPE, "rotary: y must be %s shaped like x %s with contiguous D (got %s)",
                         kw_dtype_name(yt), kw__shape(x).s, kw__shape(y).s);
-    p->y = y->data, p->x = x->data, p->cos = cs->data, p->sin = sn->data;
     p->yt = yt, p->xt = x->dtype, p->ct = cs->dtype, p->st = sn->dtype;
     for (int d = 0; d < 3; d++) p->ys[d] = y->stride[d], p->xs[d] = x->stride[d];
+    p->run = KW__PICK(kw__rotary_rows, isa);
     return 0;
 }
 
@@ -82,22 +82,13 @@ void kw__rotary_rows_scalar(const kw__rope *p, int64_t r0, int64_t r1) {
     }
 }
 
-static int rotary_check(const kw_call *c, char *msg, size_t len) {
-    kw__rope p;
-    return rope_from_call(c, &p, msg, len);
-}
-
-static void rotary_run(const kw_call *c, int ith, int nth, void (*rows)(const kw__rope *, int64_t, int64_t)) {
-    kw__rope p;
+static void rotary_kernel(const kw_call *c, int ith, int nth) {
+    kw__rope p = *(const kw__rope *)c->prep;
     int64_t r0, r1;
-    if (rope_from_call(c, &p, NULL, 0)) return; /* capture checked it */
+    p.y = c->t[0].data, p.x = c->t[1].data, p.cos = c->t[2].data, p.sin = c->t[3].data;
     kw__split(p.B * p.H * p.S, 1, ith, nth, &r0, &r1);
-    if (r0 < r1) rows(&p, r0, r1);
+    if (r0 < r1) p.run(&p, r0, r1);
 }
-
-static void rotary_scalar(const kw_call *c, int ith, int nth) { rotary_run(c, ith, nth, kw__rotary_rows_scalar); }
-static void rotary_avx2(const kw_call *c, int ith, int nth) { rotary_run(c, ith, nth, kw__rotary_rows_avx2); }
-static void rotary_avx512(const kw_call *c, int ith, int nth) { rotary_run(c, ith, nth, kw__rotary_rows_avx512); }
 
 /* Slots y [B, H, S, D], x [B, H, S, D], cos [..., R], sin [..., R] (broadcast to
  * [B, H, S, R]); ip[0] KW_ROPE_HALF or KW_ROPE_INTERLEAVED; ip[1] R (0: R = D). */
@@ -106,6 +97,7 @@ const kw_op_info kw_op_info_rotary = {
     .n_tensors = 4,
     .arg = {{"y", KW_WRITE, 0}, {"x", KW_READ, 0}, {"cos", KW_READ, 0}, {"sin", KW_READ, 0}},
     .n_ip = 2,
-    .check = rotary_check,
-    .kernel = {[KW_ISA_SCALAR] = rotary_scalar, [KW_ISA_AVX2] = rotary_avx2, [KW_ISA_AVX512] = rotary_avx512},
+    .prepare = rotary_prepare,
+    .prep_size = sizeof(kw__rope),
+    .kernel = rotary_kernel,
 };

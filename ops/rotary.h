@@ -1,18 +1,22 @@
-/* rotary.h — private to rotary: the job as a struct (rows are the B·H·S vectors
- * of length D), built by rotary.c and run over a range of rows per ISA. */
+/* rotary.h — private to rotary: a prepared call as a struct (rows are the B·H·S
+ * vectors of length D), filled once by rotary.c and run over a range of rows by
+ * the ISA variant prepare picked. */
 #ifndef KW_ROTARY_H
 #define KW_ROTARY_H
 
 #include "kw_ops_impl.h"
 
-typedef struct kw__rope {
+typedef struct kw__rope kw__rope;
+
+struct kw__rope {
     int64_t B, H, S, D, R; /* R (even) leading dims rotate, D - R pass through */
     char *y;
     const char *x, *cos, *sin;
     int64_t ys[3], xs[3], cs[3], ss[3]; /* strides of B, H, S (0 where cos/sin broadcast) */
     kw_dtype yt, xt, ct, st;
     int interleaved;
-} kw__rope;
+    void (*run)(const kw__rope *p, int64_t r0, int64_t r1);
+};
 
 /* Row r's first element in each tensor, as element offsets. */
 static inline void kw__rope_row(const kw__rope *p, int64_t r, int64_t *yo, int64_t *xo, int64_t *co, int64_t *so) {
@@ -23,8 +27,6 @@ static inline void kw__rope_row(const kw__rope *p, int64_t r, int64_t *yo, int64
     *so = b * p->ss[0] + h * p->ss[1] + s * p->ss[2];
 }
 
-void kw__rotary_rows_scalar(const kw__rope *p, int64_t r0, int64_t r1);
-void kw__rotary_rows_avx2(const kw__rope *p, int64_t r0, int64_t r1);
-void kw__rotary_rows_avx512(const kw__rope *p, int64_t r0, int64_t r1);
+KW__VARIANTS(void, kw__rotary_rows, (const kw__rope *p, int64_t r0, int64_t r1))
 
 #endif

@@ -1,7 +1,8 @@
-/* simd.h — the vector layer for ISA files (*_avx2.c, *_avx512.c, *_avx512bf16.c).
+/* simd.h — the vector layer for the *_simd.c files, each compiled once per
+ * vector ISA (AVX2, AVX-512, AVX512-BF16; see KW__VARIANTS in kw_ops_impl.h).
  *
  * One vocabulary over KW_VW f32 lanes, chosen by the flags the file is compiled
- * with, so a kernel body written once (a *_body.h) builds for AVX2 and AVX-512.
+ * with, so a kernel body written once builds for AVX2 and AVX-512.
  * Partial loads and stores (the `n` variants, n < KW_VW) never touch memory past
  * n elements. bf16 stores round to nearest even exactly like kw__f32_to_bf16
  * (PyTorch's rounding), never with vcvtneps2bf16, which flushes denormals. */
@@ -19,7 +20,7 @@
 #elif defined(__AVX2__)
 #define KW_ISA_SUFFIX avx2
 #else
-#error "simd.h is for ISA files built with AVX2 or AVX-512 flags"
+#error "simd.h is for *_simd.c files, built with AVX2 or AVX-512 flags"
 #endif
 
 #define KW__CAT2(a, b) a##_##b
@@ -43,8 +44,6 @@ static inline void kw_v_storen(float *p, kw_v v, int64_t n) { _mm512_mask_storeu
 /* Lanes >= n replaced by `fill` (or by 0). */
 static inline kw_v kw_v_fill_tail(kw_v v, int64_t n, float fill) { return _mm512_mask_mov_ps(_mm512_set1_ps(fill), kw__m16(n), v); }
 static inline kw_v kw_v_keepn(kw_v v, int64_t n) { return _mm512_maskz_mov_ps(kw__m16(n), v); }
-/* Bit i set where a[i] == b[i] (ordered). */
-static inline unsigned kw_v_eq_bits(kw_v a, kw_v b) { return (unsigned)_mm512_cmp_ps_mask(a, b, _CMP_EQ_OQ); }
 static inline unsigned kw_v_gt_bits(kw_v a, kw_v b) { return (unsigned)_mm512_cmp_ps_mask(a, b, _CMP_GT_OQ); }
 
 static inline kw_v kw__widen_bf16(__m256i h) {
@@ -142,7 +141,6 @@ static inline kw_v kw_v_fill_tail(kw_v v, int64_t n, float fill) {
     return _mm256_blendv_ps(_mm256_set1_ps(fill), v, _mm256_castsi256_ps(kw__m8(n)));
 }
 static inline kw_v kw_v_keepn(kw_v v, int64_t n) { return _mm256_and_ps(v, _mm256_castsi256_ps(kw__m8(n))); }
-static inline unsigned kw_v_eq_bits(kw_v a, kw_v b) { return (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_EQ_OQ)); }
 static inline unsigned kw_v_gt_bits(kw_v a, kw_v b) { return (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_GT_OQ)); }
 
 static inline kw_v kw__widen_bf16(__m128i h) {

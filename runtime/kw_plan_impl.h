@@ -96,6 +96,9 @@ struct kw_plan {
     /* the share lines of calls whose op shares work, zeroed before each replay */
     char *shares;
     size_t share_bytes;
+    /* each call's preparation (kw_op_info.prepare), 64-byte aligned, in step order */
+    char *prep_mem;
+    size_t prep_bytes;
 
     /* description */
     int n_buffers, n_views, n_barriers;

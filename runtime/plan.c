@@ -21,6 +21,11 @@ const char *kw__buffer_kind_name(int kind) {
 
 void kw_plan_destroy(kw_plan *p) {
     if (!p) return;
+    for (int i = 0; p->steps && p->info && i < p->n_steps; i++) {
+        const kw_op_info *op = p->info[i].op >= 0 ? kw_op_get((kw_op_id)p->info[i].op) : NULL;
+        if (op && op->release && p->steps[i].call && p->steps[i].call->prep) op->release((void *)p->steps[i].call->prep);
+    }
+    kw_mem_free(p->prep_mem, p->prep_bytes);
     if (p->arena) kw_mem_free(p->arena, p->alloc_bytes);
     kw_mem_free(p->shares, p->share_bytes);
     for (int i = 0; i < p->n_fallbacks; i++) free(p->fallbacks[i].views);

@@ -74,8 +74,8 @@ Test(linear, k_blocked_weights_match_the_reference_and_the_plain_layout) {
         kw_tensor *yp = tt_tensor(&plain, 0, xt, 2, TT_DIMS(M, N), NULL, 0, 0, &r);
         for (int64_t n = 0; n < N; n++)
             for (int64_t i = 0; i < K; i++) tt_set(wp, (int64_t[]){n, i}, tt_get(w, (int64_t[]){i / B, n, i % B}));
-        tt_run(KW_OP_LINEAR, kw_op_kernel(KW_OP_LINEAR, kw_cpu_isa()), &plain.c, 2);
-        tt_run(KW_OP_LINEAR, kw_op_kernel(KW_OP_LINEAR, kw_cpu_isa()), &k.c, 2);
+        tt_run(KW_OP_LINEAR, kw_cpu_isa(), &plain.c, 2);
+        tt_run(KW_OP_LINEAR, kw_cpu_isa(), &k.c, 2);
         const tt_tol tol = lin_tol(xt, K);
         for (int64_t m = 0; m < M; m++)
             for (int64_t n = 0; n < N; n++) {
@@ -125,7 +125,7 @@ Test(linear, reference_is_exact_on_exact_inputs) {
                 for (int64_t j = 0; j < 3; j++) tt_set(tw, (int64_t[]){i, j}, w[i][j]);
             }
             for (int isa = 0; isa <= (int)kw_cpu_isa(); isa++) {
-                tt_run(KW_OP_LINEAR, kw_op_get(KW_OP_LINEAR)->kernel[isa], &k.c, 2);
+                tt_run(KW_OP_LINEAR, isa, &k.c, 2);
                 for (int64_t i = 0; i < 2; i++)
                     for (int64_t n = 0; n < 4; n++) {
                         double want = b[n];
@@ -146,7 +146,7 @@ Test(linear, reference_matches_double_precision) {
     kw_tensor *x = tt_tensor(&k, 1, KW_F32, 2, TT_DIMS(M, K), NULL, -1, 1, &r);
     kw_tensor *w = tt_tensor(&k, 2, KW_BF16, 2, TT_DIMS(N, K), NULL, -1, 1, &r);
     kw_tensor *y = tt_tensor(&k, 0, KW_F32, 2, TT_DIMS(M, N), NULL, 0, 0, &r);
-    tt_run(KW_OP_LINEAR, kw_op_get(KW_OP_LINEAR)->kernel[KW_ISA_SCALAR], &k.c, 1);
+    tt_run(KW_OP_LINEAR, KW_ISA_SCALAR, &k.c, 1);
     for (int64_t m = 0; m < M; m++)
         for (int64_t n = 0; n < N; n++) {
             double want = 0, mag = 0;
@@ -214,8 +214,8 @@ Test(linear_multi, split_outputs_equal_the_concatenated_linear) {
     cat.c.t[2] = multi.c.t[5];
     kw_tensor *y = tt_tensor(&cat, 0, KW_F32, 2, TT_DIMS(M, N), NULL, 0, 0, &r);
     const kw_isa isa = kw_cpu_isa();
-    tt_run(KW_OP_LINEAR_MULTI, kw_op_kernel(KW_OP_LINEAR_MULTI, isa), &multi.c, 3);
-    tt_run(KW_OP_LINEAR, kw_op_kernel(KW_OP_LINEAR, isa), &cat.c, 2);
+    tt_run(KW_OP_LINEAR_MULTI, isa, &multi.c, 3);
+    tt_run(KW_OP_LINEAR, isa, &cat.c, 2);
     for (int64_t m = 0; m < M; m++)
         for (int64_t n = 0, j = 0, col = 0; n < N; n++, col++) {
             if (col == sizes[j]) j++, col = 0;

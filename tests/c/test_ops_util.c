@@ -97,10 +97,14 @@ double tt_get(const kw_tensor *t, const int64_t *idx) { return get(t->data, offs
 
 void tt_set(kw_tensor *t, const int64_t *idx, double v) { put(t->data, offset(t, idx), t->dtype, v); }
 
-void tt_run_shared(kw_op_id op, kw_kernel_fn fn, const kw_call *c, int nth, int shared) {
+void tt_run_shared(kw_op_id op, kw_isa isa, const kw_call *c, int nth, int shared) {
     const kw_op_info *info = kw_op_get(op);
     kw_call call = *c;
-    const size_t ws = info->work_size ? (info->work_size(c) + 63) / 64 * 64 : 0;
+    void *prep = malloc(kw_op_prep_size(op));
+    char msg[256];
+    cr_assert_eq(kw_op_prepare(op, &call, isa, prep, msg, sizeof msg), 0, "%s: prepare rejected the call: %s",
+                 info->name, msg);
+    const size_t ws = info->work_size ? (info->work_size(prep) + 63) / 64 * 64 : 0;
     void *work = ws ? malloc(ws * (size_t)nth) : NULL;
     if (work) memset(work, 0xa5, ws * (size_t)nth);
     call.work = work;
@@ -109,11 +113,13 @@ void tt_run_shared(kw_op_id op, kw_kernel_fn fn, const kw_call *c, int nth, int 
      * its own work and then every other thread's from the back. */
     _Alignas(64) unsigned char share[KW_SHARE_BYTES] = {0};
     call.share = shared ? share : NULL;
-    for (int ith = 0; ith < nth; ith++) fn(&call, ith, nth);
+    for (int ith = 0; ith < nth; ith++) info->kernel(&call, ith, nth);
     free(work);
+    if (info->release) info->release(prep);
+    free(prep);
 }
 
-void tt_run(kw_op_id op, kw_kernel_fn fn, const kw_call *c, int nth) { tt_run_shared(op, fn, c, nth, 0); }
+void tt_run(kw_op_id op, kw_isa isa, const kw_call *c, int nth) { tt_run_shared(op, isa, c, nth, 0); }
 
 int64_t tt_compare(const void *got, const void *want, kw_dtype dt, size_t bytes, tt_tol tol, double *g, double *w) {
     const int64_t n = (int64_t)(bytes / kw_dtype_size(dt));
@@ -139,9 +145,6 @@ static int written(const kw_op_info *info, const tt_case *k, int o) {
 
 int tt_check_variants(kw_op_id op, tt_case *k, tt_tol tol, const char *what) {
     const kw_op_info *info = kw_op_get(op);
-    char msg[256] = "";
-    const int err = info->check(&k->c, msg, sizeof msg);
-    cr_assert_eq(err, 0, "%s: %s rejected the call: %s", what, info->name, msg);
 
     /* The written slots' memory before any run, then the reference's result. */
     void *before[KW_CALL_MAX_TENSORS] = {0}, *ref[KW_CALL_MAX_TENSORS] = {0};
@@ -150,7 +153,7 @@ int tt_check_variants(kw_op_id op, tt_case *k, tt_tol tol, const char *what) {
             before[s] = malloc(k->bytes[s]);
             memcpy(before[s], k->mem[s], k->bytes[s]);
         }
-    tt_run(op, info->kernel[KW_ISA_SCALAR], &k->c, 1);
+    tt_run(op, KW_ISA_SCALAR, &k->c, 1);
     for (int s = 0; s < info->n_tensors; s++)
         if (before[s]) {
             ref[s] = malloc(k->bytes[s]);
@@ -160,12 +163,11 @@ int tt_check_variants(kw_op_id op, tt_case *k, tt_tol tol, const char *what) {
     static const int nths[] = {1, 2, 3, 7};
     int compared = 0;
     for (int isa = KW_ISA_SCALAR; isa <= (int)kw_cpu_isa(); isa++) {
-        if (!info->kernel[isa]) continue;
         for (size_t t = 0; t < sizeof nths / sizeof *nths; t++)
             for (int shared = 0; shared <= info->shares_work; shared++) {
                 for (int s = 0; s < info->n_tensors; s++)
                     if (before[s]) memcpy(k->mem[s], before[s], k->bytes[s]);
-                tt_run_shared(op, info->kernel[isa], &k->c, nths[t], shared);
+                tt_run_shared(op, (kw_isa)isa, &k->c, nths[t], shared);
                 for (int s = 0; s < info->n_tensors; s++) {
                     if (!before[s]) continue;
                     double g, w;
@@ -187,7 +189,10 @@ int tt_check_variants(kw_op_id op, tt_case *k, tt_tol tol, const char *what) {
 void tt_expect_reject(kw_op_id op, const kw_call *c, int err, const char *needle) {
     const kw_op_info *info = kw_op_get(op);
     char msg[512] = "";
-    cr_expect_eq(info->check(c, msg, sizeof msg), err, "%s: expected %s, message \"%s\"", info->name, kw_strerror(err),
-                 msg);
+    kw_call call = *c;
+    void *prep = malloc(kw_op_prep_size(op));
+    cr_expect_eq(kw_op_prepare(op, &call, kw_cpu_isa(), prep, msg, sizeof msg), err,
+                 "%s: expected %s, message \"%s\"", info->name, kw_strerror(err), msg);
+    free(prep);
     cr_expect(strstr(msg, needle) != NULL, "%s: message \"%s\" lacks \"%s\"", info->name, msg, needle);
 }

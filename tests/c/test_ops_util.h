@@ -43,20 +43,22 @@ void tt_free(tt_case *k);
 double tt_get(const kw_tensor *t, const int64_t *idx);
 void tt_set(kw_tensor *t, const int64_t *idx, double v);
 
-/* Runs fn as the pool would, thread by thread, with scratch from the op's
- * work_size (filled with garbage: kernels must not expect zeros). */
-void tt_run(kw_op_id op, kw_kernel_fn fn, const kw_call *c, int nth);
+/* Prepares c for `isa` (the op's variant at or below it; failing the test if
+ * prepare rejects it) and runs the kernel as the pool would, thread by thread,
+ * with scratch from the op's work_size (filled with garbage: kernels must not
+ * expect zeros). */
+void tt_run(kw_op_id op, kw_isa isa, const kw_call *c, int nth);
 /* The same with a zeroed share line when `shared` (ops that hand work out). */
-void tt_run_shared(kw_op_id op, kw_kernel_fn fn, const kw_call *c, int nth, int shared);
+void tt_run_shared(kw_op_id op, kw_isa isa, const kw_call *c, int nth, int shared);
 
 /* |got - want| <= atol + rtol * |want|; NaN matches NaN. */
 typedef struct tt_tol {
     double atol, rtol;
 } tt_tol;
 
-/* Runs the scalar reference (one thread), then every variant at or below
- * kw_cpu_isa() at several thread counts (the reference too), and compares every
- * written slot's whole allocation with the reference's. Fails the test on a
+/* Runs the scalar reference (one thread), then the variant for every ISA at or
+ * below kw_cpu_isa() at several thread counts (the reference too), and compares
+ * every written slot's whole allocation with the reference's. Fails the test on a
  * mismatch, naming `what`. Returns the number of kernels compared. */
 int tt_check_variants(kw_op_id op, tt_case *k, tt_tol tol, const char *what);
 
@@ -64,7 +66,7 @@ int tt_check_variants(kw_op_id op, tt_case *k, tt_tol tol, const char *what);
  * the first mismatch or -1. */
 int64_t tt_compare(const void *got, const void *want, kw_dtype dt, size_t bytes, tt_tol tol, double *g, double *w);
 
-/* check() must reject the call with `err` and a message containing `needle`. */
+/* prepare() must reject the call with `err` and a message containing `needle`. */
 void tt_expect_reject(kw_op_id op, const kw_call *c, int err, const char *needle);
 
 #endif

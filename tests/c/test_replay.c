@@ -39,7 +39,10 @@ static int relu(void *user, kw_tensor *views, int n) {
 
 static void run_linear(float *y, const float *x, const float *w, int64_t m, int64_t k, int64_t n) {
     kw_call c = {.t = {tensor2(y, m, n), tensor2((void *)x, m, k), tensor2((void *)w, n, k)}};
-    kw_op_kernel(KW_OP_LINEAR, kw_cpu_isa())(&c, 0, 1);
+    void *prep = malloc(kw_op_prep_size(KW_OP_LINEAR));
+    cr_assert_eq(kw_op_prepare(KW_OP_LINEAR, &c, kw_cpu_isa(), prep, NULL, 0), 0);
+    kw_op_get(KW_OP_LINEAR)->kernel(&c, 0, 1);
+    free(prep);
 }
 
 /* The same program as the plan, one kernel call at a time. */

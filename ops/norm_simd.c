@@ -1,6 +1,6 @@
-/* norm_body.h — rms_norm / add_rms_norm / layer_norm rows over simd.h, built per
- * ISA by norm_avx2.c and norm_avx512.c. Same casts as the scalar references in
- * norm.c; only the order of the f32 sums differs. */
+/* rms_norm / add_rms_norm / layer_norm rows over simd.h, built once per vector
+ * ISA (see KW__VARIANTS). Same casts as the scalar references in norm.c; only
+ * the order of the f32 sums differs. */
 #include "norm.h"
 #include "simd.h"
 

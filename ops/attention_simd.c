@@ -1,8 +1,7 @@
-/* attention_body.h — decode attention over simd.h, built per ISA by
- * attention_avx2.c and attention_avx512.c. Same arithmetic as the scalar
- * reference in attention.c. A thread's query heads are consecutive, so the heads
- * that share a cache head follow each other and find its valid K/V rows in
- * cache. */
+/* Decode attention over simd.h, built once per vector ISA (see KW__VARIANTS).
+ * Same arithmetic as the scalar reference in attention.c. A thread's query heads
+ * are consecutive, so the heads that share a cache head follow each other and
+ * find its valid K/V rows in cache. */
 #include "attention.h"
 #include "simd.h"
 

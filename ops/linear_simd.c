@@ -1,6 +1,6 @@
-/* linear_body.h — the GEMV / small-GEMM kernel, written once over simd.h and built
- * per ISA by linear_avx2.c, linear_avx512.c and linear_avx512bf16.c (the last adds
- * the vdpbf16ps path for bf16 activations with bf16 weights).
+/* The GEMV / small-GEMM kernel, written once over simd.h and built once per vector
+ * ISA (see KW__VARIANTS); the AVX512-BF16 build adds the vdpbf16ps path for bf16
+ * activations with bf16 weights.
  *
  * A tile is one weight row × MB (<= 4) activation rows over one block of K: each
  * weight vector is loaded once and feeds MB FMAs. A run is the tile inlined in a
@@ -171,7 +171,7 @@ static kw__acts acts_of(const kw__lin *g, void *work) {
     return (kw__acts){runs_pairs, work, nb * bp, bp, 4};
 }
 
-void KW__ISA_NAME(kw__linear_prepare)(const kw__lin *g, void *work) {
+void KW__ISA_NAME(kw__linear_acts)(const kw__lin *g, void *work) {
     const kw__acts a = acts_of(g, work);
     if (a.runs != runs_pairs) return;
     const size_t xsz = kw_dtype_size(g->xt);

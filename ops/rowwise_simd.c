@@ -1,5 +1,4 @@
-/* rowwise_body.h — softmax and argmax rows over simd.h, built per ISA by
- * rowwise_avx2.c and rowwise_avx512.c. */
+/* softmax rows over simd.h, built once per vector ISA (see KW__VARIANTS). */
 #include "rowwise.h"
 #include "simd.h"
 
@@ -34,27 +33,4 @@ void KW__ISA_NAME(kw__softmax_rows)(const kw__rowwise *p, int64_t r0, int64_t r1
                 kw_v_stn(y, i, p->N - i, yt, e);
         }
     }
-}
-
-/* Max in one pass, then the first index equal to it. A NaN or inf anywhere in
- * the row (x - x is NaN) sends the row to the scalar rule. */
-static int64_t argmax_row(const char *x, kw_dtype dt, int64_t n) {
-    kw_v m = kw_v_set1(-INFINITY), bad = kw_v_zero();
-    for (int64_t i = 0; i < n; i += KW_VW) {
-        const kw_v v = ld_fill(x, dt, i, n, 0.0f);
-        m = kw_v_max(n - i >= KW_VW ? v : kw_v_fill_tail(v, n - i, -INFINITY), m);
-        bad = kw_v_add(bad, kw_v_sub(v, v));
-    }
-    float best;
-    if (kw_v_reduce_add(bad) != 0.0f) return kw__argmax_scalar(x, dt, 0, n, &best);
-    const kw_v mv = kw_v_set1(kw_v_reduce_max(m));
-    for (int64_t i = 0; i < n; i += KW_VW) {
-        unsigned bits = kw_v_eq_bits(ld_fill(x, dt, i, n, -INFINITY), mv);
-        if (bits) return i + __builtin_ctz(bits);
-    }
-    return 0; /* not reached: the maximum is an element */
-}
-
-void KW__ISA_NAME(kw__argmax_rows)(const kw__rowwise *p, int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; r++) ((int64_t *)p->y.p)[r] = argmax_row(kw__row(&p->x, r), p->x.dt, p->N);
 }

@@ -1,5 +1,5 @@
-/* rotary_body.h — rotary rows over simd.h, built per ISA by rotary_avx2.c and
- * rotary_avx512.c. Same roundings as the scalar reference in rotary.c. */
+/* rotary rows over simd.h, built once per vector ISA (see KW__VARIANTS). Same
+ * roundings as the scalar reference in rotary.c. */
 #include "rotary.h"
 #include "simd.h"
 

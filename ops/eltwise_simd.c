@@ -1,7 +1,7 @@
-/* eltwise_body.h — binary, silu_mul, gelu and convert over simd.h, built per ISA
- * by eltwise_avx2.c and eltwise_avx512.c. Vector code runs where y's inner
- * stride is 1 and each input's is 1 or 0 (broadcast); other layouts, integer
- * dtypes and f16 go to the scalar references in eltwise.c. */
+/* binary, silu_mul, gelu and convert over simd.h, built once per vector ISA (see
+ * KW__VARIANTS). Vector code runs where y's inner stride is 1 and each input's
+ * is 1 or 0 (broadcast); other layouts, integer dtypes and f16 go to the scalar
+ * references in eltwise.c. */
 #include "eltwise.h"
 #include "simd.h"
 

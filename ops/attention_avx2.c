@@ -1,2 +1,0 @@
-/* attention built with avx2 flags (see attention_body.h). */
-#include "attention_body.h"

@@ -1,2 +1,0 @@
-/* The elementwise ops built with avx512 flags (see eltwise_body.h). */
-#include "eltwise_body.h"

@@ -1,2 +1,0 @@
-/* The linear kernels built with avx2 flags (see linear_body.h). */
-#include "linear_body.h"

@@ -1,2 +1,0 @@
-/* The row normalisations built with avx512 flags (see norm_body.h). */
-#include "norm_body.h"

@@ -1,2 +1,0 @@
-/* rotary built with avx512 flags (see rotary_body.h). */
-#include "rotary_body.h"

@@ -1,2 +1,0 @@
-/* softmax and argmax built with avx2 flags (see rowwise_body.h). */
-#include "rowwise_body.h"
