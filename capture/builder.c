@@ -55,21 +55,21 @@ static int open_for_calls(kw_builder *b, const char *what) {
     return 0;
 }
 
-static int add_buffer(kw_builder *b, const char *what, int kind, const char *name, void *base,
+static int add_buffer(kw_builder *b, const char *what, kw_buffer_kind kind, const char *name, void *base,
                       size_t nbytes) {
     int rc = open_for_calls(b, what);
     if (rc) return rc;
     if (!name) name = "";
     if (nbytes > KW__MAX_BYTES)
         return kw__builder_fail(b, KW_EINVAL, "%s '%s': %zu bytes is too large", what, name, nbytes);
-    if (kind == KW__BUFFER_CONSTANT && !base)
+    if (kind == KW_BUFFER_CONSTANT && !base)
         return kw__builder_fail(b, KW_EINVAL, "%s '%s': NULL address", what, name);
     char *copy = strdup(name);
     if (!copy || grow((void **)&b->buffers, &b->cap_buffers, b->n_buffers, sizeof *b->buffers)) {
         free(copy);
         return kw__builder_fail(b, KW_ENOMEM, "%s '%s': out of memory", what, name);
     }
-    const int per_call = kind == KW__BUFFER_INPUT || kind == KW__BUFFER_OUTPUT;
+    const int per_call = kind == KW_BUFFER_INPUT || kind == KW_BUFFER_OUTPUT;
     b->buffers[b->n_buffers] = (kw__buffer){
         .name = copy,
         .kind = kind,
@@ -83,23 +83,35 @@ static int add_buffer(kw_builder *b, const char *what, int kind, const char *nam
 }
 
 int kw_builder_input(kw_builder *b, const char *name, size_t nbytes) {
-    return add_buffer(b, "input", KW__BUFFER_INPUT, name, NULL, nbytes);
+    return add_buffer(b, "input", KW_BUFFER_INPUT, name, NULL, nbytes);
 }
 
 int kw_builder_output(kw_builder *b, const char *name, size_t nbytes) {
-    return add_buffer(b, "output", KW__BUFFER_OUTPUT, name, NULL, nbytes);
+    return add_buffer(b, "output", KW_BUFFER_OUTPUT, name, NULL, nbytes);
 }
 
 int kw_builder_constant(kw_builder *b, const char *name, const void *addr, size_t nbytes) {
-    return add_buffer(b, "constant", KW__BUFFER_CONSTANT, name, (void *)addr, nbytes);
+    return add_buffer(b, "constant", KW_BUFFER_CONSTANT, name, (void *)addr, nbytes);
 }
 
 int kw_builder_arena(kw_builder *b, const char *name, size_t nbytes) {
-    return add_buffer(b, "arena buffer", KW__BUFFER_ARENA, name, NULL, nbytes);
+    return add_buffer(b, "arena buffer", KW_BUFFER_ARENA, name, NULL, nbytes);
 }
 
-int kw_builder_slot(const kw_builder *b, int buffer) {
-    return buffer >= 0 && buffer < b->n_buffers ? b->buffers[buffer].slot : -1;
+int kw_builder_buffer(const kw_builder *b, int buffer, kw_buffer_kind *kind, int *slot) {
+    if (buffer < 0 || buffer >= b->n_buffers) return KW_EINVAL;
+    *kind = b->buffers[buffer].kind;
+    *slot = b->buffers[buffer].slot;
+    return 0;
+}
+
+int kw_builder_view_layout(const kw_builder *b, int view, int *buffer, size_t *offset, kw_tensor *layout) {
+    if (view < 0 || view >= b->n_views) return KW_EINVAL;
+    *buffer = b->views[view].buffer;
+    *offset = b->views[view].offset;
+    *layout = b->views[view].t;
+    layout->data = NULL;
+    return 0;
 }
 
 int kw__view_extent(const kw__view *v, int64_t *lo, int64_t *hi) {

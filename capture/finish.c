@@ -80,7 +80,7 @@ static int check_aliasing(const kw_builder *b, int i, char *msg, size_t len) {
 
 static void *fake_address(const kw_builder *b, const kw__view *v) {
     const kw__buffer *buf = &b->buffers[v->buffer];
-    if (buf->kind == KW__BUFFER_CONSTANT) return (char *)buf->base + v->offset;
+    if (buf->kind == KW_BUFFER_CONSTANT) return (char *)buf->base + v->offset;
     return (void *)(FAKE_BASE + ((uintptr_t)v->buffer << 20) + v->offset);
 }
 
@@ -199,13 +199,13 @@ static int validate(const kw_builder *b, int isa, void **preps, size_t *work, ch
         for (int k = 0; k < s->n_views && !rc; k++) {
             if (s->views[k] < 0) continue;
             const kw__buffer *buf = &b->buffers[b->views[s->views[k]].buffer];
-            const int uninit = buf->kind == KW__BUFFER_ARENA || buf->kind == KW__BUFFER_OUTPUT;
-            if (writes(s->access[k]) && buf->kind == KW__BUFFER_CONSTANT)
+            const int uninit = buf->kind == KW_BUFFER_ARENA || buf->kind == KW_BUFFER_OUTPUT;
+            if (writes(s->access[k]) && buf->kind == KW_BUFFER_CONSTANT)
                 rc = step_fail(b, i, msg, len, KW_EREADONLY, "%s writes constant '%s'",
                                tensor_name(s, k, name, sizeof name), buf->name);
             else if (reads(s->access[k]) && uninit && !written[b->views[s->views[k]].buffer])
                 rc = step_fail(b, i, msg, len, KW_EUNINIT, "%s reads %s buffer '%s' before any step writes it",
-                               tensor_name(s, k, name, sizeof name), kw__buffer_kind_name(buf->kind), buf->name);
+                               tensor_name(s, k, name, sizeof name), kw_buffer_kind_name(buf->kind), buf->name);
         }
         if (!rc) rc = check_aliasing(b, i, msg, len);
         if (!rc && s->op >= 0) rc = prepare_kernel_step(b, i, isa, &preps[i], &work[i], msg, len);
@@ -213,7 +213,7 @@ static int validate(const kw_builder *b, int isa, void **preps, size_t *work, ch
             if (s->views[k] >= 0 && writes(s->access[k])) written[b->views[s->views[k]].buffer] = 1;
     }
     for (int j = 0; j < b->n_buffers && !rc; j++)
-        if (b->buffers[j].kind == KW__BUFFER_OUTPUT && !written[j]) {
+        if (b->buffers[j].kind == KW_BUFFER_OUTPUT && !written[j]) {
             rc = KW_EUNINIT;
             snprintf(msg, len, "output '%s' is never written", b->buffers[j].name);
         }
@@ -234,7 +234,7 @@ static region view_region(const kw_plan *p, const kw__view *v) {
     const kw__buffer *buf = &p->buffers[v->buffer];
     region r = {v->buffer, 0, 0};
     kw__view_extent(v, &r.lo, &r.hi);
-    if (buf->kind == KW__BUFFER_ARENA) {
+    if (buf->kind == KW_BUFFER_ARENA) {
         r.space = -1;
         r.lo += (int64_t)buf->arena_offset;
         r.hi += (int64_t)buf->arena_offset;
@@ -299,7 +299,7 @@ static int place_arena(kw_plan *p) {
     if (!items) return KW_ENOMEM;
     for (int i = 0; i < p->n_buffers; i++) {
         const kw__buffer *buf = &p->buffers[i];
-        if (buf->kind == KW__BUFFER_ARENA) items[i] = (kw_arena_item){buf->nbytes, buf->first, buf->last, 0};
+        if (buf->kind == KW_BUFFER_ARENA) items[i] = (kw_arena_item){buf->nbytes, buf->first, buf->last, 0};
         else items[i].first = -1;
     }
     p->arena_bytes = kw_arena_plan(items, p->n_buffers);
@@ -368,7 +368,7 @@ static int allocate_arena(kw_plan *p, const size_t *work, int n_threads) {
     /* A used buffer of zero bytes still needs a non-NULL address (NULL marks an
      * absent tensor); it is never dereferenced. */
     for (int i = 0; i < p->n_buffers; i++)
-        if (p->buffers[i].kind == KW__BUFFER_ARENA && p->buffers[i].first >= 0)
+        if (p->buffers[i].kind == KW_BUFFER_ARENA && p->buffers[i].first >= 0)
             p->buffers[i].base = p->arena ? p->arena + p->buffers[i].arena_offset : kw__empty;
     return 0;
 }
@@ -464,7 +464,7 @@ static int build_patches(kw_plan *p, const kw_builder *b) {
                 if (s->views[k] < 0) continue;
                 const kw__view *v = &p->views[s->views[k]];
                 const kw__buffer *buf = &p->buffers[v->buffer];
-                if (buf->kind != KW__BUFFER_INPUT && buf->kind != KW__BUFFER_OUTPUT) continue;
+                if (buf->kind != KW_BUFFER_INPUT && buf->kind != KW_BUFFER_OUTPUT) continue;
                 kw__slot *slot = &p->slots[buf->slot];
                 if (pass == 0) {
                     slot->n_patches++;

@@ -36,8 +36,11 @@ int kw_builder_output(kw_builder *b, const char *name, size_t nbytes);
 int kw_builder_constant(kw_builder *b, const char *name, const void *addr, size_t nbytes);
 int kw_builder_arena(kw_builder *b, const char *name, size_t nbytes);
 
-/* The replay slot of a per-call buffer, or -1. */
-int kw_builder_slot(const kw_builder *b, int buffer);
+/* What has been declared, as kw_plan_buffer and kw_plan_view say it of the
+ * finished plan (a per-call buffer's replay slot, a view's layout). 0, or
+ * KW_EINVAL for a bad id. */
+int kw_builder_buffer(const kw_builder *b, int buffer, kw_buffer_kind *kind, int *slot);
+int kw_builder_view_layout(const kw_builder *b, int view, int *buffer, size_t *offset, kw_tensor *layout);
 
 /* A view: `offset` bytes into `buffer`, strides in elements (NULL: contiguous;
  * never negative, as in PyTorch). It must lie inside its buffer (KW_EBOUNDS). */
@@ -76,7 +79,8 @@ typedef struct kw_finish_opts {
 int kw_builder_finish(kw_builder *b, const kw_finish_opts *opts, kw_plan **plan, char *msg,
                       size_t msg_len);
 
-/* The message of the first failed call, "" when none failed. */
+/* The message of the most recent failed call, "" when none failed (finish
+ * reports the first one's). */
 const char *kw_builder_error(const kw_builder *b);
 
 /* The arena planner, exposed for tests. Buffers whose live step ranges

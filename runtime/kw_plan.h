@@ -22,6 +22,16 @@
 
 typedef struct kw_plan kw_plan;
 
+/* What a buffer is (kw_capture.h declares them). */
+typedef enum kw_buffer_kind {
+    KW_BUFFER_INPUT,    /* per call: a new pointer each replay */
+    KW_BUFFER_OUTPUT,   /* per call, written by the plan, undefined before */
+    KW_BUFFER_CONSTANT, /* fixed address, read-only */
+    KW_BUFFER_ARENA,    /* placed in the plan's arena by liveness */
+} kw_buffer_kind;
+
+const char *kw_buffer_kind_name(kw_buffer_kind kind);
+
 /* A host step ("fallback"): runs on thread 0 while the other threads wait at a
  * barrier. views[] are the step's tensors with their data pointers bound for
  * this call. Returns 0, or non-zero to abort the replay with KW_ECALLBACK. */
@@ -44,9 +54,16 @@ int kw_plan_n_slots(const kw_plan *plan);
 /* Bytes the pointer for slot i must cover; -1 for a bad index. */
 int64_t kw_plan_slot_bytes(const kw_plan *plan, int slot);
 
+/* The plan's buffers and views as declared (ids are the builder's): a buffer's
+ * kind and replay slot (-1 for constants and arena buffers); a view's buffer,
+ * bytes from the buffer's start and layout (data NULL). 0, or KW_EINVAL for a
+ * bad id. */
+int kw_plan_buffer(const kw_plan *plan, int buffer, kw_buffer_kind *kind, int *slot);
+int kw_plan_view(const kw_plan *plan, int view, int *buffer, size_t *offset, kw_tensor *layout);
+int kw_plan_n_views(const kw_plan *plan);
+
 /* The fixed address of a buffer (constant, arena buffer); NULL for
- * per-call inputs and outputs, for arena buffers no step uses and bad ids.
- * Buffer ids are the builder's. */
+ * per-call inputs and outputs, for arena buffers no step uses and bad ids. */
 void *kw_plan_buffer_address(const kw_plan *plan, int buffer);
 
 int kw_plan_n_steps(const kw_plan *plan);

@@ -13,14 +13,6 @@
 
 #define KW__ALIGN 64
 
-typedef enum kw__buffer_kind {
-    KW__BUFFER_INPUT,    /* per call: a new pointer each replay */
-    KW__BUFFER_OUTPUT,   /* per call, written by the plan, undefined before */
-    KW__BUFFER_CONSTANT, /* fixed address, read-only */
-    KW__BUFFER_ARENA,    /* placed in the plan's arena by liveness */
-} kw__buffer_kind;
-
-const char *kw__buffer_kind_name(int kind);
 
 /* The address given to tensors of zero bytes that have no memory of their own:
  * never dereferenced, but not NULL (NULL marks an absent tensor). */
@@ -28,7 +20,7 @@ extern char kw__empty[KW__ALIGN];
 
 typedef struct kw__buffer {
     char *name;
-    int kind;
+    kw_buffer_kind kind;
     int slot;            /* per-call slot, or -1 */
     size_t nbytes;
     void *base;          /* fixed address; NULL for input and output buffers */

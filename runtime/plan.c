@@ -9,12 +9,12 @@
 
 _Alignas(KW__ALIGN) char kw__empty[KW__ALIGN];
 
-const char *kw__buffer_kind_name(int kind) {
+const char *kw_buffer_kind_name(kw_buffer_kind kind) {
     switch (kind) {
-    case KW__BUFFER_INPUT: return "input";
-    case KW__BUFFER_OUTPUT: return "output";
-    case KW__BUFFER_CONSTANT: return "constant";
-    case KW__BUFFER_ARENA: return "arena";
+    case KW_BUFFER_INPUT: return "input";
+    case KW_BUFFER_OUTPUT: return "output";
+    case KW_BUFFER_CONSTANT: return "constant";
+    case KW_BUFFER_ARENA: return "arena";
     default: return "?";
     }
 }
@@ -148,10 +148,29 @@ int64_t kw_plan_slot_bytes(const kw_plan *p, int slot) {
     return (int64_t)p->buffers[p->slots[slot].buffer].nbytes;
 }
 
+int kw_plan_buffer(const kw_plan *p, int buffer, kw_buffer_kind *kind, int *slot) {
+    if (buffer < 0 || buffer >= p->n_buffers) return KW_EINVAL;
+    *kind = p->buffers[buffer].kind;
+    *slot = p->buffers[buffer].slot;
+    return 0;
+}
+
+int kw_plan_view(const kw_plan *p, int view, int *buffer, size_t *offset, kw_tensor *layout) {
+    if (view < 0 || view >= p->n_views) return KW_EINVAL;
+    const kw__view *v = &p->views[view];
+    *buffer = v->buffer;
+    *offset = v->offset;
+    *layout = v->t;
+    layout->data = NULL;
+    return 0;
+}
+
+int kw_plan_n_views(const kw_plan *p) { return p->n_views; }
+
 void *kw_plan_buffer_address(const kw_plan *p, int buffer) {
     if (buffer < 0 || buffer >= p->n_buffers) return NULL;
     const kw__buffer *b = &p->buffers[buffer];
-    return b->kind == KW__BUFFER_INPUT || b->kind == KW__BUFFER_OUTPUT ? NULL : b->base;
+    return b->kind == KW_BUFFER_INPUT || b->kind == KW_BUFFER_OUTPUT ? NULL : b->base;
 }
 
 int kw_plan_n_steps(const kw_plan *p) { return p->n_steps; }

@@ -63,11 +63,11 @@ static void put_layout(text *t, const kw_tensor *v) {
 
 static void put_buffer(text *t, const kw_plan *p, int i) {
     const kw__buffer *b = &p->buffers[i];
-    put(t, "  b%-3d %-8s %-20s %10zu B", i, kw__buffer_kind_name(b->kind), b->name, b->nbytes);
+    put(t, "  b%-3d %-8s %-20s %10zu B", i, kw_buffer_kind_name(b->kind), b->name, b->nbytes);
     if (b->slot >= 0) put(t, "  slot %d", b->slot);
-    if (b->kind == KW__BUFFER_ARENA && b->first >= 0)
+    if (b->kind == KW_BUFFER_ARENA && b->first >= 0)
         put(t, "  arena [%zu, %zu)", b->arena_offset, b->arena_offset + b->nbytes);
-    if (b->kind == KW__BUFFER_CONSTANT) put(t, "  at %p", b->base);
+    if (b->kind == KW_BUFFER_CONSTANT) put(t, "  at %p", b->base);
     if (b->first >= 0)
         put(t, "  live %d..%d", b->first, b->last);
     else

@@ -1,6 +1,7 @@
 /* kwker._C.PlanBuilder: capture/'s builder driven from Python. Buffer and view
- * ids are the C builder's; the Python side mirrors what a call needs later (each
- * input's expected layout, each output's layout, fallbacks, returned views). */
+ * ids are the C builder's, and so are their tables; the Python side keeps only
+ * what a call needs besides them (kw__program: each input's argument and
+ * layout, each output's layout, the constants' tensors, fallbacks, returns). */
 #include <stdint.h>
 
 #include "kw_binding.h"
@@ -35,8 +36,6 @@ void kw__program_free(kw__program *p) {
         PyMem_Free(p->fallbacks[i].views);
     }
     Py_XDECREF(p->constants);
-    PyMem_Free(p->buffers);
-    PyMem_Free(p->views);
     PyMem_Free(p->inputs);
     PyMem_Free(p->outputs);
     PyMem_Free(p->fallbacks);
@@ -115,13 +114,12 @@ static int64_t layout_bytes(const kw_tensor *t, const char *name) {
     return n;
 }
 
-static int add_py_buffer(kw__program *prog, int id, int source, int index) {
-    if (id != prog->n_buffers) {
-        PyErr_SetString(PyExc_SystemError, "kwker: builder buffer ids out of step");
-        return -1;
-    }
-    prog->buffers[prog->n_buffers++] = (kw__py_buffer){source, index};
-    return 0;
+/* The replay slot capture gave a per-call buffer. */
+static int buffer_slot(BuilderObject *self, int id) {
+    kw_buffer_kind kind;
+    int slot = -1;
+    kw_builder_buffer(self->b, id, &kind, &slot);
+    return slot;
 }
 
 /* ---- buffers ------------------------------------------------------------------------ */
@@ -141,7 +139,7 @@ static int add_input(BuilderObject *self, PyObject *name, const kw_tensor *t, Py
             return -1;
         }
     }
-    if (RESERVE(prog, inputs) || RESERVE(prog, buffers)) return -1;
+    if (RESERVE(prog, inputs)) return -1;
     PyObject *shape = kw__int64_tuple(t->shape, t->ndim), *stride = kw__int64_tuple(t->stride, t->ndim);
     if (!shape || !stride) goto error;
     const int id = kw_builder_input(self->b, cname, (size_t)nbytes);
@@ -149,11 +147,10 @@ static int add_input(BuilderObject *self, PyObject *name, const kw_tensor *t, Py
         fail(self, id);
         goto error;
     }
-    if (add_py_buffer(prog, id, KW__SRC_INPUT, prog->n_inputs)) goto error;
     prog->inputs[prog->n_inputs++] = (kw__py_input){
         .name = Py_NewRef(name),
         .arg = (int)arg,
-        .slot = kw_builder_slot(self->b, id),
+        .slot = buffer_slot(self, id),
         .t = *t,
         .shape_obj = shape,
         .stride_obj = stride,
@@ -189,13 +186,16 @@ static PyObject *builder_constant(PyObject *self_, PyObject *args, PyObject *kw)
     if (kw__tensor_read(tensor, "constant", &t)) return NULL;
     if (!name) name = "constant";
     const int64_t nbytes = layout_bytes(&t, name);
-    if (nbytes < 0 || RESERVE(prog, buffers)) return NULL;
+    if (nbytes < 0) return NULL;
     const int id = kw_builder_constant(self->b, name, t.data ? t.data : empty_constant, (size_t)nbytes);
     if (id < 0) return fail(self, id), NULL;
-    if (add_py_buffer(prog, id, KW__SRC_CONST, (int)PyList_GET_SIZE(prog->constants)) ||
-        PyList_Append(prog->constants, tensor))
+    PyObject *key = PyLong_FromLong(id);
+    const int bad = !key || PyDict_SetItem(prog->constants, key, tensor);
+    if (bad) {
+        Py_XDECREF(key);
         return NULL;
-    return PyLong_FromLong(id);
+    }
+    return key;
 }
 
 static PyObject *builder_arena(PyObject *self_, PyObject *args, PyObject *kw) {
@@ -205,10 +205,8 @@ static PyObject *builder_arena(PyObject *self_, PyObject *args, PyObject *kw) {
     BuilderObject *self = open_builder(self_);
     if (!self || !PyArg_ParseTupleAndKeywords(args, kw, "n|z:arena", names, &nbytes, &name)) return NULL;
     if (nbytes < 0) return PyErr_Format(PyExc_ValueError, "arena '%s': %zd bytes", name ? name : "", nbytes);
-    if (RESERVE(self->prog, buffers)) return NULL;
     const int id = kw_builder_arena(self->b, name ? name : "arena", (size_t)nbytes);
     if (id < 0) return fail(self, id), NULL;
-    if (add_py_buffer(self->prog, id, KW__SRC_ARENA, -1)) return NULL;
     return PyLong_FromLong(id);
 }
 
@@ -223,21 +221,21 @@ static PyObject *builder_output_buffer(PyObject *self_, PyObject *args, PyObject
     const char *cname = PyUnicode_AsUTF8(name);
     if (!cname || parse_layout(dtype, shape, strides, &t)) return NULL;
     const int64_t nbytes = layout_bytes(&t, cname);
-    if (nbytes < 0 || RESERVE(prog, outputs) || RESERVE(prog, buffers)) return NULL;
+    if (nbytes < 0 || RESERVE(prog, outputs)) return NULL;
     PyObject *shape_obj = kw__int64_tuple(t.shape, t.ndim), *stride_obj = kw__int64_tuple(t.stride, t.ndim);
     int id = -1;
     if (shape_obj && stride_obj) {
         id = kw_builder_output(self->b, cname, (size_t)nbytes);
         if (id < 0) fail(self, id);
     }
-    if (id < 0 || add_py_buffer(prog, id, KW__SRC_OUTPUT, prog->n_outputs)) {
+    if (id < 0) {
         Py_XDECREF(shape_obj);
         Py_XDECREF(stride_obj);
         return NULL;
     }
     prog->outputs[prog->n_outputs++] = (kw__py_output){
         .name = Py_NewRef(name),
-        .slot = kw_builder_slot(self->b, id),
+        .slot = buffer_slot(self, id),
         .t = t,
         .shape_obj = shape_obj,
         .stride_obj = stride_obj,
@@ -259,10 +257,8 @@ static PyObject *builder_view(PyObject *self_, PyObject *args, PyObject *kw) {
     kw_tensor t;
     if (parse_layout(dtype, shape, strides, &t)) return NULL;
     if (offset < 0) return PyErr_Format(PyExc_ValueError, "view: byte offset %zd", offset);
-    if (RESERVE(self->prog, views)) return NULL;
     const int id = kw_builder_view(self->b, buffer, t.dtype, t.ndim, t.shape, t.stride, (size_t)offset);
     if (id < 0) return fail(self, id), NULL;
-    self->prog->views[self->prog->n_views++] = (kw__py_view){buffer, (size_t)offset, t};
     return PyLong_FromLong(id);
 }
 
@@ -355,12 +351,16 @@ static PyObject *builder_check_op(PyObject *self_, PyObject *args, PyObject *kw)
     return PyUnicode_FromString(msg);
 }
 
+/* A view a call hands to Python (returned, or a fallback's) can be a torch tensor. */
 static int check_torch_view(BuilderObject *self, int view, const char *what) {
-    if (view < 0 || view >= self->prog->n_views) {
+    int buffer;
+    size_t offset;
+    kw_tensor layout;
+    if (kw_builder_view_layout(self->b, view, &buffer, &offset, &layout)) {
         PyErr_Format(PyExc_ValueError, "%s: no view %d", what, view);
         return -1;
     }
-    if (kw__layout_extent(&self->prog->views[view].t) < 0) {
+    if (kw__layout_extent(&layout) < 0) {
         PyErr_Format(PyExc_ValueError, "%s: view %d has negative strides, which torch tensors cannot have", what,
                      view);
         return -1;
@@ -452,8 +452,13 @@ static PyObject *builder_output(PyObject *self_, PyObject *arg) {
     if (view == -1 && PyErr_Occurred()) return NULL;
     kw__program *prog = self->prog;
     if (check_torch_view(self, (int)view, "output")) return NULL;
-    const kw__py_view *v = &prog->views[view];
-    if (prog->buffers[v->buffer].source == KW__SRC_ARENA)
+    int buffer, slot;
+    size_t offset;
+    kw_tensor layout;
+    kw_buffer_kind kind;
+    kw_builder_view_layout(self->b, (int)view, &buffer, &offset, &layout);
+    kw_builder_buffer(self->b, buffer, &kind, &slot);
+    if (kind == KW_BUFFER_ARENA)
         return kw__plan_error(KW_EINVAL,
                               "output: view %ld lies in an arena buffer, which the next call reuses; "
                               "declare its memory with output_buffer()",
@@ -506,7 +511,7 @@ static PyObject *builder_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     if (!self) return NULL;
     self->b = kw_builder_create();
     self->prog = PyMem_Calloc(1, sizeof *self->prog);
-    if (self->prog) self->prog->constants = PyList_New(0);
+    if (self->prog) self->prog->constants = PyDict_New();
     if (!self->b || !self->prog || !self->prog->constants) {
         Py_DECREF(self);
         return PyErr_NoMemory();

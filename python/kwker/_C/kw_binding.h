@@ -63,24 +63,12 @@ PyObject *kw__memory_alloc(Py_ssize_t len);
 PyObject *kw__memory_reserve(Py_ssize_t len);
 extern PyTypeObject kw__MemoryType;
 
-/* ---- the program as Python sees it ------------------------------------------------ */
-
-typedef enum kw__source {
-    KW__SRC_INPUT,  /* index into inputs */
-    KW__SRC_OUTPUT, /* index into outputs */
-    KW__SRC_CONST,  /* index into the constants list */
-    KW__SRC_ARENA,
-} kw__source;
-
-typedef struct kw__py_buffer {
-    int source, index;
-} kw__py_buffer;
-
-typedef struct kw__py_view {
-    int buffer;
-    size_t offset;
-    kw_tensor t; /* layout only */
-} kw__py_view;
+/* ---- what the Python side adds to a plan ------------------------------------------
+ * Buffers and views are capture's: the binding reads them back (kw_builder_buffer,
+ * kw_builder_view_layout, kw_plan_buffer, kw_plan_view) and keeps only what is
+ * Python's own: which argument feeds each input and the layout it must have,
+ * each fresh output's layout, the constants' tensors, the fallbacks' functions
+ * and the views a call returns. */
 
 typedef struct kw__py_input {
     PyObject *name;
@@ -102,20 +90,14 @@ typedef struct kw__py_fallback {
     int *views; /* view ids: reads then writes */
 } kw__py_fallback;
 
-typedef struct kw__py_return {
-    int view;
-} kw__py_return;
-
 typedef struct kw__program {
-    kw__py_buffer *buffers;
-    kw__py_view *views;
     kw__py_input *inputs;
     kw__py_output *outputs;
     kw__py_fallback *fallbacks;
     int *returns; /* view ids */
-    int n_buffers, n_views, n_inputs, n_outputs, n_fallbacks, n_returns, n_args;
-    int cap_buffers, cap_views, cap_inputs, cap_outputs, cap_fallbacks, cap_returns;
-    PyObject *constants; /* list of tensors, kept alive */
+    int n_inputs, n_outputs, n_fallbacks, n_returns, n_args;
+    int cap_inputs, cap_outputs, cap_fallbacks, cap_returns;
+    PyObject *constants; /* {buffer id: tensor}: kept alive, and the owners of views of them */
 } kw__program;
 
 void kw__program_free(kw__program *p);

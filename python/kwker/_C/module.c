@@ -37,6 +37,8 @@ static PyObject *op_params(PyObject *self, PyObject *unused) {
         {"ROPE_INTERLEAVED", KW_ROPE_INTERLEAVED},
         {"GELU_ERF", KW_GELU_ERF},
         {"GELU_TANH", KW_GELU_TANH},
+        {"DNNL_MIN_M_F32", KW_DNNL_MIN_M_F32},
+        {"DNNL_MIN_M_BF16", KW_DNNL_MIN_M_BF16},
 #define KW__BINARY_ENTRY(id, name) {"BINARY_" #id, KW_BINARY_##id},
         KW_BINARY_OPS(KW__BINARY_ENTRY)
 #undef KW__BINARY_ENTRY

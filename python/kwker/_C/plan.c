@@ -34,8 +34,13 @@ typedef enum make_kind {
     MAKE_OVER,       /* a tensor over the bytes (another dtype, or an odd offset) */
 } make_kind;
 
+/* Decided once per view from the plan's own tables (kw_plan_view, kw_plan_buffer). */
 typedef struct kw__make {
     make_kind kind;
+    int output;        /* the view lies in an output buffer (else an input) */
+    int index;         /* that output's or input's index in the program */
+    size_t bytes;      /* from the buffer's start */
+    kw_tensor layout;  /* MAKE_OVER */
     Py_ssize_t offset; /* elements, MAKE_AS_STRIDED */
     PyObject *shape, *stride;
 } kw__make;
@@ -106,7 +111,7 @@ static int64_t now_ns(void) {
 
 static void state_free(kw__state *s) {
     if (!s) return;
-    for (int v = 0; s->prog && v < s->prog->n_views; v++) {
+    for (int v = 0; s->plan && v < kw_plan_n_views(s->plan); v++) {
         if (s->fixed) Py_XDECREF(s->fixed[v]);
         if (s->make) {
             Py_XDECREF(s->make[v].shape);
@@ -133,7 +138,7 @@ static int state_traverse(kw__state *s, visitproc visit, void *arg) {
     Py_VISIT(s->sources);
     Py_VISIT(s->refresh);
     for (int i = 0; i < s->n_src; i++) Py_VISIT(s->src[i].watch);
-    for (int i = 0; s->fixed && s->prog && i < s->prog->n_views; i++) Py_VISIT(s->fixed[i]);
+    for (int i = 0; s->fixed && s->plan && i < kw_plan_n_views(s->plan); i++) Py_VISIT(s->fixed[i]);
     return kw__program_traverse(s->prog, visit, arg);
 }
 
@@ -335,14 +340,11 @@ static PyObject *view_tensor(PlanObject *p, int v) {
     const kw__program *prog = s->prog;
     const kw__make *m = &s->make[v];
     if (m->kind == MAKE_FIXED) return Py_NewRef(s->fixed[v]);
-    const kw__py_view *pv = &prog->views[v];
-    const kw__py_buffer *b = &prog->buffers[pv->buffer];
-    const int out = b->source == KW__SRC_OUTPUT;
-    PyObject *owner = out ? s->fresh[b->index] : p->args[prog->inputs[b->index].arg];
+    PyObject *owner = m->output ? s->fresh[m->index] : p->args[prog->inputs[m->index].arg];
     if (m->kind == MAKE_WHOLE) return Py_NewRef(owner);
-    if (m->kind == MAKE_AS_STRIDED) return as_strided(owner, m, out);
-    kw_tensor bound = pv->t;
-    bound.data = (char *)s->slots[out ? prog->outputs[b->index].slot : prog->inputs[b->index].slot] + pv->offset;
+    if (m->kind == MAKE_AS_STRIDED) return as_strided(owner, m, m->output);
+    kw_tensor bound = m->layout;
+    bound.data = (char *)s->slots[m->output ? prog->outputs[m->index].slot : prog->inputs[m->index].slot] + m->bytes;
     return kw__tensor_over(owner, &bound);
 }
 
@@ -477,38 +479,55 @@ static int same_layout(const kw_tensor *a, const kw_tensor *b) {
     return 1;
 }
 
-/* Views of constants and of the arena never move: their tensors are made once. */
-static int make_fixed(kw__state *s, int v) {
-    const kw__py_view *pv = &s->prog->views[v];
-    const kw__py_buffer *b = &s->prog->buffers[pv->buffer];
-    if (s->fixed[v] || (b->source != KW__SRC_CONST && b->source != KW__SRC_ARENA)) return 0;
-    kw_tensor t = pv->t;
-    t.data = (char *)kw_plan_buffer_address(s->plan, pv->buffer) + pv->offset;
-    PyObject *owner = b->source == KW__SRC_CONST ? PyList_GET_ITEM(s->prog->constants, b->index) : s->memory;
-    s->fixed[v] = kw__tensor_over(owner, &t);
-    return s->fixed[v] ? 0 : -1;
+/* The input or output whose replay slot is `slot`: its index, and 1 for an output. */
+static int slot_owner(const kw__program *prog, int slot, int *output) {
+    for (int i = 0; i < prog->n_inputs; i++)
+        if (prog->inputs[i].slot == slot) return *output = 0, i;
+    for (int i = 0; i < prog->n_outputs; i++)
+        if (prog->outputs[i].slot == slot) return *output = 1, i;
+    return -1;
 }
 
-/* Decides once how view v becomes a tensor on each call. */
+/* Decides once how view v becomes a tensor on each call: views of constants and
+ * of the arena never move, so their tensors are made now. */
 static int plan_view(kw__state *s, int v) {
     const kw__program *prog = s->prog;
-    const kw__py_view *pv = &prog->views[v];
-    const kw__py_buffer *b = &prog->buffers[pv->buffer];
     kw__make *m = &s->make[v];
     if (m->kind != MAKE_UNUSED) return 0;
-    if (b->source != KW__SRC_OUTPUT && b->source != KW__SRC_INPUT) {
-        m->kind = MAKE_FIXED;
-        return make_fixed(s, v);
+    int buffer, slot;
+    kw_buffer_kind kind;
+    kw_tensor layout;
+    if (kw_plan_view(s->plan, v, &buffer, &m->bytes, &layout) || kw_plan_buffer(s->plan, buffer, &kind, &slot)) {
+        PyErr_Format(PyExc_SystemError, "kwker: the plan has no view %d", v);
+        return -1;
     }
-    const kw_tensor *whole = b->source == KW__SRC_OUTPUT ? &prog->outputs[b->index].t : &prog->inputs[b->index].t;
-    const size_t es = kw_dtype_size(pv->t.dtype);
-    if (!pv->offset && same_layout(&pv->t, whole)) {
+    m->layout = layout;
+    if (kind == KW_BUFFER_CONSTANT || kind == KW_BUFFER_ARENA) {
+        m->kind = MAKE_FIXED;
+        layout.data = (char *)kw_plan_buffer_address(s->plan, buffer) + m->bytes;
+        PyObject *owner = s->memory;
+        if (kind == KW_BUFFER_CONSTANT) {
+            PyObject *key = PyLong_FromLong(buffer);
+            owner = key ? PyDict_GetItemWithError(prog->constants, key) : NULL;
+            Py_XDECREF(key);
+            if (!owner) return PyErr_Occurred() ? -1 : (PyErr_Format(PyExc_SystemError, "kwker: no tensor for constant %d", buffer), -1);
+        }
+        s->fixed[v] = kw__tensor_over(owner, &layout);
+        return s->fixed[v] ? 0 : -1;
+    }
+    if ((m->index = slot_owner(prog, slot, &m->output)) < 0) {
+        PyErr_Format(PyExc_SystemError, "kwker: replay slot %d has no input or output", slot);
+        return -1;
+    }
+    const kw_tensor *whole = m->output ? &prog->outputs[m->index].t : &prog->inputs[m->index].t;
+    const size_t es = kw_dtype_size(layout.dtype);
+    if (!m->bytes && same_layout(&layout, whole)) {
         m->kind = MAKE_WHOLE;
-    } else if (pv->t.dtype == whole->dtype && pv->offset % es == 0) {
+    } else if (layout.dtype == whole->dtype && m->bytes % es == 0) {
         m->kind = MAKE_AS_STRIDED;
-        m->offset = (Py_ssize_t)(pv->offset / es);
-        m->shape = kw__int64_tuple(pv->t.shape, pv->t.ndim);
-        m->stride = kw__int64_tuple(pv->t.stride, pv->t.ndim);
+        m->offset = (Py_ssize_t)(m->bytes / es);
+        m->shape = kw__int64_tuple(layout.shape, layout.ndim);
+        m->stride = kw__int64_tuple(layout.stride, layout.ndim);
         if (!m->shape || !m->stride) return -1;
     } else {
         m->kind = MAKE_OVER;
@@ -520,8 +539,9 @@ static int prepare(kw__state *s) {
     kw__program *prog = s->prog;
     s->slots = PyMem_Calloc((size_t)kw_plan_n_slots(s->plan) + 1, sizeof *s->slots);
     s->fresh = PyMem_Calloc((size_t)prog->n_outputs + 1, sizeof *s->fresh);
-    s->fixed = PyMem_Calloc((size_t)prog->n_views + 1, sizeof *s->fixed);
-    s->make = PyMem_Calloc((size_t)prog->n_views + 1, sizeof *s->make);
+    const int n_views = kw_plan_n_views(s->plan);
+    s->fixed = PyMem_Calloc((size_t)n_views + 1, sizeof *s->fixed);
+    s->make = PyMem_Calloc((size_t)n_views + 1, sizeof *s->make);
     if (!s->slots || !s->fresh || !s->fixed || !s->make) {
         PyErr_NoMemory();
         return -1;
@@ -595,16 +615,6 @@ static void plan_dealloc(PyObject *self) {
 
 /* ---- introspection -------------------------------------------------------------------- */
 
-static const char *source_name(int source) {
-    switch (source) {
-    case KW__SRC_INPUT: return "input";
-    case KW__SRC_OUTPUT: return "output buffer";
-    case KW__SRC_CONST: return "constant";
-    default: return "arena";
-    }
-}
-
-/* The Python side (arguments, returns) above the C listing. */
 /* The state of a plan that was not cleared, else NULL with PlanError. */
 static kw__state *live_state(PyObject *self) {
     kw__state *s = ((PlanObject *)self)->s;
@@ -612,6 +622,7 @@ static kw__state *live_state(PyObject *self) {
     return s;
 }
 
+/* The Python side (arguments, returns) above the C listing. */
 static PyObject *plan_dump(PyObject *self, PyObject *unused) {
     kw__state *s = live_state(self);
     if (!s) return NULL;
@@ -628,9 +639,14 @@ static PyObject *plan_dump(PyObject *self, PyObject *unused) {
                                  kw_dtype_name(in->t.dtype), in->shape_obj, in->stride_obj, in->slot));
     }
     for (int r = 0; r < prog->n_returns; r++) {
-        const kw__py_view *v = &prog->views[prog->returns[r]];
+        int buffer, slot;
+        size_t offset;
+        kw_tensor layout;
+        kw_buffer_kind kind;
+        kw_plan_view(s->plan, prog->returns[r], &buffer, &offset, &layout);
+        kw_plan_buffer(s->plan, buffer, &kind, &slot);
         ADD(PyUnicode_FromFormat("  return %d: view %d of %s b%d + %zu%s", r, prog->returns[r],
-                                 source_name(prog->buffers[v->buffer].source), v->buffer, v->offset,
+                                 kw_buffer_kind_name(kind), buffer, offset,
                                  s->make[prog->returns[r]].kind == MAKE_WHOLE        ? " (the tensor itself)"
                                  : s->make[prog->returns[r]].kind == MAKE_AS_STRIDED ? " (as_strided)"
                                                                                      : ""));
