@@ -11,6 +11,8 @@
  *            (add, sub, mul, maximum, minimum; wrapping like PyTorch).
  *   silu_mul y = F.silu(gate) * up: silu rounded to gate's dtype, then the product
  *            rounded to y's (the promoted dtype of gate and up).
+ *   gelu_mul y = F.gelu(gate, approximate=...) * up (Gemma's MLP), rounded as
+ *            silu_mul; ip[0] KW_GELU_ERF or KW_GELU_TANH.
  *   gelu     y = F.gelu(x, approximate=...), ip[0] KW_GELU_ERF or KW_GELU_TANH.
  *   unary    y = f(x), f = ip[0] (kw_unary_op: cos, sin, exp, ...), y with x's
  *            dtype. Scalar only (libm): it serves decode-sized tensors such as
@@ -104,18 +106,23 @@ void kw__binary_share_scalar(const kw__ew *e, int ith, int nth) {
 
 /* ---- silu_mul ---- */
 
-static int silu_mul_prepare(const kw_call *c, kw_isa isa, void *prep, char *msg, size_t len) {
-    kw__ew *e = prep;
+/* silu_mul and gelu_mul: y, gate, up, y of their promoted dtype. */
+static int gated_prepare(const kw_call *c, const char *op, kw__ew *e, char *msg, size_t len) {
     int err;
-    if ((err = need(&c->t[0], "silu_mul", "y", 1, msg, len)) || (err = need(&c->t[1], "silu_mul", "gate", 1, msg, len)) ||
-        (err = need(&c->t[2], "silu_mul", "up", 1, msg, len)))
+    if ((err = need(&c->t[0], op, "y", 1, msg, len)) || (err = need(&c->t[1], op, "gate", 1, msg, len)) ||
+        (err = need(&c->t[2], op, "up", 1, msg, len)))
         return err;
     const kw_dtype yt = promote(c->t[1].dtype, c->t[2].dtype);
     if (c->t[0].dtype != yt)
-        return kw__fail(msg, len, KW_EDTYPE, "silu_mul: y must be %s, the promoted dtype of gate and up (got %s)",
+        return kw__fail(msg, len, KW_EDTYPE, "%s: y must be %s, the promoted dtype of gate and up (got %s)", op,
                         kw_dtype_name(yt), kw__shape(&c->t[0]).s);
+    return ew_init(e, c, 2, op, msg, len);
+}
+
+static int silu_mul_prepare(const kw_call *c, kw_isa isa, void *prep, char *msg, size_t len) {
+    kw__ew *e = prep;
     e->run = KW__PICK(kw__silu_mul_share, isa);
-    return ew_init(e, c, 2, "silu_mul", msg, len);
+    return gated_prepare(c, "silu_mul", e, msg, len);
 }
 
 void kw__silu_mul_share_scalar(const kw__ew *e, int ith, int nth) {
@@ -127,6 +134,30 @@ void kw__silu_mul_share_scalar(const kw__ew *e, int ith, int nth) {
             const float g = kw__ldf(e->a, off[1] + i * e->nd.stride[1][last], e->at);
             const float u = kw__ldf(e->b, off[2] + i * e->nd.stride[2][last], e->bt);
             kw__stf(e->y, off[0] + i * e->nd.stride[0][last], e->yt, kw__round_to(kw__silu(g), e->at) * u);
+        }
+}
+
+/* ---- gelu_mul ---- */
+
+static int gelu_mul_prepare(const kw_call *c, kw_isa isa, void *prep, char *msg, size_t len) {
+    kw__ew *e = prep;
+    if (c->ip[0] != KW_GELU_ERF && c->ip[0] != KW_GELU_TANH)
+        return kw__fail(msg, len, KW_EINVAL, "gelu_mul: ip[0] must be KW_GELU_ERF or KW_GELU_TANH (got %lld)",
+                        (long long)c->ip[0]);
+    e->mode = (int)c->ip[0];
+    e->run = KW__PICK(kw__gelu_mul_share, isa);
+    return gated_prepare(c, "gelu_mul", e, msg, len);
+}
+
+void kw__gelu_mul_share_scalar(const kw__ew *e, int ith, int nth) {
+    const int last = e->nd.ndim - 1;
+    kw__nd_it it = kw__nd_share(&e->nd, ith, nth);
+    int64_t off[3], n;
+    while (kw__nd_next(&e->nd, &it, off, &n))
+        for (int64_t i = 0; i < n; i++) {
+            const float g = kw__ldf(e->a, off[1] + i * e->nd.stride[1][last], e->at);
+            const float u = kw__ldf(e->b, off[2] + i * e->nd.stride[2][last], e->bt);
+            kw__stf(e->y, off[0] + i * e->nd.stride[0][last], e->yt, kw__round_to(kw__gelu(g, e->mode), e->at) * u);
         }
 }
 
@@ -189,14 +220,6 @@ static void unary_share(const kw__ew *e, int ith, int nth) {
                     unary_f(e->mode, kw__ldf(e->a, off[1] + i * e->nd.stride[1][last], e->at)));
 }
 
-/* ATen's scalar formulas (activation.cpp): kAlpha = M_SQRT1_2,
- * kBeta = M_SQRT2 * M_2_SQRTPI * 0.5, kKappa = 0.044715. */
-static float gelu_f(float x, int mode) {
-    if (mode == KW_GELU_ERF) return x * 0.5f * (1.0f + erff(x * 0.70710678118654752f));
-    const float inner = 0.79788456080286536f * (x + 0.044715f * (x * x * x));
-    return 0.5f * x * (1.0f + tanhf(inner));
-}
-
 void kw__gelu_share_scalar(const kw__ew *e, int ith, int nth) {
     const int last = e->nd.ndim - 1;
     kw__nd_it it = kw__nd_share(&e->nd, ith, nth);
@@ -204,7 +227,7 @@ void kw__gelu_share_scalar(const kw__ew *e, int ith, int nth) {
     while (kw__nd_next(&e->nd, &it, off, &n))
         for (int64_t i = 0; i < n; i++)
             kw__stf(e->y, off[0] + i * e->nd.stride[0][last], e->yt,
-                    gelu_f(kw__ldf(e->a, off[1] + i * e->nd.stride[1][last], e->at), e->mode));
+                    kw__gelu(kw__ldf(e->a, off[1] + i * e->nd.stride[1][last], e->at), e->mode));
 }
 
 /* ---- convert ---- */
@@ -310,6 +333,17 @@ const kw_op_info kw_op_info_silu_mul = {
     .n_tensors = 3,
     .arg = {{"y", KW_WRITE, 0}, {"gate", KW_READ, 0}, {"up", KW_READ, 0}},
     .prepare = silu_mul_prepare,
+    .prep_size = sizeof(kw__ew),
+    .kernel = ew_kernel,
+};
+
+/* Slots y, gate, up; ip[0] KW_GELU_ERF or KW_GELU_TANH. */
+const kw_op_info kw_op_info_gelu_mul = {
+    .name = "gelu_mul",
+    .n_tensors = 3,
+    .arg = {{"y", KW_WRITE, 0}, {"gate", KW_READ, 0}, {"up", KW_READ, 0}},
+    .n_ip = 1,
+    .prepare = gelu_mul_prepare,
     .prep_size = sizeof(kw__ew),
     .kernel = ew_kernel,
 };

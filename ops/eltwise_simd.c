@@ -88,6 +88,23 @@ static inline kw_v gelu_v(kw_v x, int mode) {
     return kw_v_div(x, kw_v_add(one, kw_v_exp(kw_v_mul(u, kw_v_set1(-2.0f)))));
 }
 
+void KW__ISA_NAME(kw__gelu_mul_share)(const kw__ew *e, int ith, int nth) {
+    if (!vector_ok(e)) {
+        kw__gelu_mul_share_scalar(e, ith, nth);
+        return;
+    }
+    const int last = e->nd.ndim - 1;
+    const int64_t sa = e->nd.stride[1][last], sb = e->nd.stride[2][last];
+    kw__nd_it it = kw__nd_share(&e->nd, ith, nth);
+    int64_t off[3], n;
+    while (kw__nd_next(&e->nd, &it, off, &n))
+        for (int64_t i = 0; i < n; i += KW_VW) {
+            const int64_t m = KW__MIN(KW_VW, n - i);
+            const kw_v g = ldv(e->a, off[1], i, m, sa, e->at), u = ldv(e->b, off[2], i, m, sb, e->bt);
+            stv(e->y, off[0] + i, m, e->yt, kw_v_mul(kw_v_round_to(gelu_v(g, e->mode), e->at), u));
+        }
+}
+
 /* One input walked to y: gelu passes each vector through gelu_v, convert stores it
  * as loaded (the load and store do the dtype change). */
 static inline void map1_share(const kw__ew *e, int ith, int nth, int apply_gelu) {

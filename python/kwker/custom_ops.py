@@ -19,12 +19,14 @@ _SCHEMAS = {
     # x * cos + rotate_half(x) * sin, rotate_half over the last dim (HF's convention)
     "rotary": "rotary(Tensor x, Tensor cos, Tensor sin) -> Tensor",
     "silu_mul": "silu_mul(Tensor gate, Tensor up) -> Tensor",
+    # F.gelu(gate, approximate=approximate) * up: Gemma's MLP ("gelu_pytorch_tanh")
+    "gelu_mul": "gelu_mul(Tensor gate, Tensor up, str approximate) -> Tensor",
     # x @ weight.T (+ bias); weight may be bfloat16 under float32 x (widened exactly)
     "linear": "linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor",
     # one pass over x for weights stored back to back; outputs split by `sizes`
-    "linear_n": "linear_n(Tensor x, Tensor weight, Tensor? bias, int[] sizes) -> Tensor[]",
+    "linear_multi": "linear_multi(Tensor x, Tensor weight, Tensor? bias, int[] sizes) -> Tensor[]",
     # q [B,Hq,1,D] over caches [B,Hkv,S,D] with Hq % Hkv == 0, without repeating K/V
-    "decode_attention": "decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor? mask, float scale) -> Tensor",
+    "attention": "attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor? mask, float scale) -> Tensor",
 }
 for _schema in _SCHEMAS.values():
     _lib.define(_schema)
@@ -53,15 +55,19 @@ def _silu_mul(gate, up):
     return F.silu(gate) * up
 
 
+def _gelu_mul(gate, up, approximate):
+    return F.gelu(gate, approximate=approximate) * up
+
+
 def _linear(x, weight, bias):
     return F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
 
 
-def _linear_n(x, weight, bias, sizes):
+def _linear_multi(x, weight, bias, sizes):
     return list(_linear(x, weight, bias).split(sizes, dim=-1))
 
 
-def _decode_attention(q, k_cache, v_cache, mask, scale):
+def _attention(q, k_cache, v_cache, mask, scale):
     return F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask, scale=scale, enable_gqa=True)
 
 
@@ -70,9 +76,10 @@ _EAGER = {
     "add_rms_norm": _add_rms_norm,
     "rotary": _rotary,
     "silu_mul": _silu_mul,
+    "gelu_mul": _gelu_mul,
     "linear": _linear,
-    "linear_n": _linear_n,
-    "decode_attention": _decode_attention,
+    "linear_multi": _linear_multi,
+    "attention": _attention,
 }
 for _name, _fn in _EAGER.items():
     _lib.impl(_name, _fn, "CompositeExplicitAutograd")

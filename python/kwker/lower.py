@@ -269,11 +269,24 @@ def _is_inplace_op(node: Node) -> bool:
 
 
 def _lower_linear(lw: _Lowering, node: Node):
+    """kwker's GEMV for the few rows of decode; oneDNN's matmul from the row
+    count where it measured faster (kw_ops.h), when the weight is [N, K] in x's
+    dtype (matmul_dnnl refuses the rest; linear takes them)."""
     x, w, bias = node.args
-    lw.op(node, "linear", [lw.view(val(node)), lw.view(val(x)), lw.weight_view(w), lw.arg_view(bias)])
+    views = [lw.view(val(node)), lw.view(val(x)), lw.weight_view(w), lw.arg_view(bias)]
+    rows = val(x).numel() // val(x).shape[-1]
+    if rows >= _DNNL_MIN_M.get(val(x).dtype, rows + 1):
+        try:
+            return lw.op(node, "matmul_dnnl", views)
+        except _Rejected:
+            pass
+    lw.op(node, "linear", views)
 
 
-def _lower_linear_n(lw: _Lowering, node: Node):
+_DNNL_MIN_M = {torch.float32: P["DNNL_MIN_M_F32"], torch.bfloat16: P["DNNL_MIN_M_BF16"]}
+
+
+def _lower_linear_multi(lw: _Lowering, node: Node):
     x, w, bias, sizes = node.args
     outs = [lw.view(t) for t in val(node)]
     if len(outs) > 4:
@@ -309,10 +322,33 @@ def _lower_silu_mul(lw: _Lowering, node: Node):
     lw.op(node, "silu_mul", [lw.view(val(node)), lw.view(val(gate)), lw.view(val(up))])
 
 
-def _lower_decode_attention(lw: _Lowering, node: Node):
+def _lower_gelu_mul(lw: _Lowering, node: Node):
+    gate, up, approximate = node.args
+    views = [lw.view(val(node)), lw.view(val(gate)), lw.view(val(up))]
+    lw.op(node, "gelu_mul", views, [_GELU_MODES[approximate]])
+
+
+def _lower_attention(lw: _Lowering, node: Node):
     q, k, v, mask, scale = node.args
     views = [lw.view(val(node)), lw.view(val(q)), lw.view(val(k)), lw.view(val(v)), lw.arg_view(mask)]
     lw.op(node, "attention", views, [], [scale])
+
+
+def _lower_layer_norm(lw: _Lowering, node: Node):
+    """native_layer_norm over the last dim whose mean and rstd nothing reads (inference)."""
+    x, shape, weight, bias, eps = node.args
+    out, mean, rstd = val(node)
+    if list(shape) != [val(x).shape[-1]] or any(u.args[1] != 0 for u in node.users):
+        return False
+    views = [lw.view(out), lw.view(val(x)), lw.arg_view(weight), lw.arg_view(bias)]
+    lw.op(node, "layer_norm", views, [], [eps])
+
+
+def _lower_softmax(lw: _Lowering, node: Node):
+    x, dim, half_to_float = node.args
+    if half_to_float or dim % val(x).dim() != val(x).dim() - 1:
+        return False
+    lw.op(node, "softmax", [lw.view(val(node)), lw.view(val(x))])
 
 
 def _lower_embedding(lw: _Lowering, node: Node):
@@ -350,10 +386,12 @@ def _unary(name):
     return lower
 
 
+_GELU_MODES = {"none": P["GELU_ERF"], "tanh": P["GELU_TANH"]}
+
+
 def _lower_gelu(lw: _Lowering, node: Node):
     approximate = node.kwargs.get("approximate", node.args[1] if len(node.args) > 1 else "none")
-    mode = {"none": P["GELU_ERF"], "tanh": P["GELU_TANH"]}[approximate]
-    lw.op(node, "gelu", [lw.view(val(node)), lw.view(val(node.args[0]))], [mode])
+    lw.op(node, "gelu", [lw.view(val(node)), lw.view(val(node.args[0]))], [_GELU_MODES[approximate]])
 
 
 def _lower_copy(lw: _Lowering, node: Node):
@@ -395,13 +433,16 @@ def _lower_add_inplace(lw: _Lowering, node: Node):
 
 LOWERINGS = {
     ops.linear.default: _lower_linear,
-    ops.linear_n.default: _lower_linear_n,
+    ops.linear_multi.default: _lower_linear_multi,
     ops.rms_norm.default: _lower_rms_norm,
     ops.add_rms_norm.default: _lower_add_rms_norm,
     ops.rotary.default: _lower_rotary,
     ops.silu_mul.default: _lower_silu_mul,
-    ops.decode_attention.default: _lower_decode_attention,
+    ops.gelu_mul.default: _lower_gelu_mul,
+    ops.attention.default: _lower_attention,
     aten.embedding.default: _lower_embedding,
+    aten.native_layer_norm.default: _lower_layer_norm,
+    aten._softmax.default: _lower_softmax,
     aten.add.Tensor: _binary("BINARY_ADD"),
     aten.sub.Tensor: _binary("BINARY_SUB"),
     aten.mul.Tensor: _binary("BINARY_MUL"),

@@ -13,15 +13,17 @@ from typing import Any
 INNER_CHOICES = ("eager", "inductor")
 
 KWKER_OPTIONS_HELP = (
-    "kwker's own options are 'inner' ('eager' or 'inductor'; absent: time the candidates "
-    "and keep the fastest) and 'glue' (bool: False keeps the model's own norm and rotary ops); "
-    "every other key must be an Inductor config option (see torch._inductor.config)"
+    "kwker's own options are 'inner' ('eager': graphs kwker does not replay run rewritten, eagerly; "
+    "'inductor': they, and decode steps too, are compiled rewritten by Inductor; absent: decode steps "
+    "are replayed and other graphs go to stock Inductor) and 'glue' (bool: False keeps the model's own "
+    "norm, rotary and gated-activation ops); every other key must be an Inductor config option (see "
+    "torch._inductor.config)"
 )
 
 
 @dataclass(frozen=True)
 class KwkerOptions:
-    inner: str | None = None  # None: tune (time the candidates, keep the fastest)
+    inner: str | None = None  # None: replay decode steps, stock Inductor for the rest
     glue: bool = True
     mode: str | None = None
     inductor_patches: dict[str, Any] = field(default_factory=dict)

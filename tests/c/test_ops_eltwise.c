@@ -153,6 +153,45 @@ Test(silu_mul, reference_matches_double_precision) {
     tt_free(&k);
 }
 
+Test(gelu_mul, every_variant_matches_the_reference) {
+    tt_rng r = {36};
+    for (int trial = 0; trial < 120; trial++) {
+        const kw_dtype gt = fdt[trial % 2], ut = fdt[trial / 2 % 2];
+        const kw_dtype yt = gt == KW_F32 || ut == KW_F32 ? KW_F32 : KW_BF16;
+        tt_case k = {0};
+        eltwise_case(&k, 2, yt, gt, ut, -6, 6, &r);
+        k.c.ip[0] = trial / 4 % 2 ? KW_GELU_TANH : KW_GELU_ERF;
+        /* GELU is rounded to gate's dtype before the product: a vector GELU an ulp of
+         * f32 away can round to the next bf16, 2^-8 away, even when y is f32. GELU's
+         * absolute error near its tail (gelu's own test: 1e-6) is scaled by |up| <= 6. */
+        const double rtol = gt == KW_BF16 || yt == KW_BF16 ? 0x1p-6 : 2e-6;
+        tt_check_variants(KW_OP_GELU_MUL, &k, (tt_tol){6e-6, rtol}, "gelu_mul");
+        tt_free(&k);
+    }
+}
+
+Test(gelu_mul, reference_matches_double_precision_and_rejects_a_bad_mode) {
+    tt_rng r = {37};
+    for (int mode = 0; mode < 2; mode++) {
+        tt_case k = {0};
+        kw_tensor *g = tt_tensor(&k, 1, KW_F32, 1, TT_DIMS(300), NULL, -8, 8, &r);
+        kw_tensor *u = tt_tensor(&k, 2, KW_F32, 1, TT_DIMS(300), NULL, -2, 2, &r);
+        kw_tensor *y = tt_tensor(&k, 0, KW_F32, 1, TT_DIMS(300), NULL, 0, 0, &r);
+        k.c.ip[0] = mode ? KW_GELU_TANH : KW_GELU_ERF;
+        tt_run(KW_OP_GELU_MUL, KW_ISA_SCALAR, &k.c, 1);
+        for (int64_t i = 0; i < 300; i++) {
+            const double v = tt_get(g, &i);
+            const double gelu = mode ? 0.5 * v * (1 + tanh(sqrt(2 / M_PI) * (v + 0.044715 * v * v * v)))
+                                     : 0.5 * v * (1 + erf(v / sqrt(2)));
+            const double want = gelu * tt_get(u, &i);
+            cr_expect_leq(fabs(tt_get(y, &i) - want), 2e-6 * (1 + fabs(want)), "mode %d at %g", mode, v);
+        }
+        k.c.ip[0] = 7;
+        tt_expect_reject(KW_OP_GELU_MUL, &k.c, KW_EINVAL, "ip[0] must be KW_GELU_ERF or KW_GELU_TANH");
+        tt_free(&k);
+    }
+}
+
 Test(gelu, every_variant_matches_the_reference) {
     tt_rng r = {26};
     for (int trial = 0; trial < 80; trial++) {

@@ -9,11 +9,11 @@ import logging
 
 import torch
 
-from kwker.rewrite.attention import fuse_decode_attention
+from kwker.rewrite.attention import fuse_attention
 from kwker.rewrite.linear import reserved_copy_bytes, rewrite_linears
 from kwker.rewrite.rms_norm import fuse_residual_add, fuse_rms_norm
 from kwker.rewrite.rotary import fuse_rotary
-from kwker.rewrite.silu_mul import fuse_silu_mul
+from kwker.rewrite.gated import fuse_gated_activations
 from kwker.weights import CopiedWeight, WeightArena
 
 __all__ = ["reserved_copy_bytes", "rewrite_language_model"]
@@ -30,13 +30,13 @@ def rewrite_language_model(gm: torch.fx.GraphModule, params: dict[str, torch.Ten
     fewer bytes (kwker.weights), cut from arena; the plan keeps them fresh.
     Other graphs keep their linears: nothing would keep a copy fresh there.
     Returns how many places each pass changed, and the copies made."""
-    counts = {"decode_attention": fuse_decode_attention(gm)}
+    counts = {"attention": fuse_attention(gm)}
     if glue:
         counts["rms_norm"] = fuse_rms_norm(gm)
         gm.graph.eliminate_dead_code()  # the replaced norms' nodes would count as users of the residual sums
         counts["add_rms_norm"] = fuse_residual_add(gm)
         counts["rotary"] = fuse_rotary(gm)
-        counts["silu_mul"] = fuse_silu_mul(gm)
+        counts.update(fuse_gated_activations(gm))
     copies: list[CopiedWeight] = []
     if params is not None:
         counts["linear"], copies = rewrite_linears(gm, params, arena=arena)

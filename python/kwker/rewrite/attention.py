@@ -15,7 +15,7 @@ from kwker.rewrite.match import aten, is_call, val
 SDPA = (aten._scaled_dot_product_flash_attention_for_cpu.default,)
 
 
-def fuse_decode_attention(gm: torch.fx.GraphModule) -> int:
+def fuse_attention(gm: torch.fx.GraphModule) -> int:
     count = 0
     for sdpa in list(gm.graph.nodes):
         if is_call(sdpa, *SDPA):
@@ -40,7 +40,7 @@ def _fuse_one(graph, sdpa) -> int:
     mask = _bool_mask(sdpa.kwargs.get("attn_mask"))
     out = outs[0]
     with graph.inserting_before(out):
-        new = graph.call_function(ops.decode_attention.default, (q, k_cache, v_cache, mask, float(scale)))
+        new = graph.call_function(ops.attention.default, (q, k_cache, v_cache, mask, float(scale)))
     new.meta["val"] = val(out)
     out.replace_all_uses_with(new)
     return 1

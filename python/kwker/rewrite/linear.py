@@ -1,5 +1,5 @@
 """Linear layers in a graph a plan will replay: each becomes kwker.linear, and
-linears that read the same input (q/k/v, gate/up) one kwker.linear_n over their
+linears that read the same input (q/k/v, gate/up) one kwker.linear_multi over their
 weights stacked.
 
 How each weight is stored (as stored, or a copy: bf16, stacked, K-blocked) is
@@ -116,7 +116,7 @@ def _rewrite_group(gm, group: list[_Linear], params, storage: weights.Storage, a
             first.replace_all_uses_with(new)
         else:
             sizes = [val(m.weight).shape[0] for m in group]
-            new = graph.call_function(ops.linear_n.default, (group[0].x, w_node, bias, sizes))
+            new = graph.call_function(ops.linear_multi.default, (group[0].x, w_node, bias, sizes))
             new.meta["val"] = [val(m.node) for m in group]
             for i, m in enumerate(group):
                 with graph.inserting_before(first):
