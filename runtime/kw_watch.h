@@ -43,6 +43,11 @@ void kw_watch_free(kw_watch *w);
  * from their snapshot. 0 otherwise. */
 int kw_watch_changed(const kw_watch *w);
 
+/* Starts fetching what kw_watch_changed reads (the flag, the first lines of the
+ * ends and of their snapshots), so that checking many watches overlaps their
+ * cache misses. */
+void kw_watch_prefetch(const kw_watch *w);
+
 /* Starts watching afresh: protects the pages again and snapshots the end bytes.
  * Read the memory (copy it) only after this returns: a write between the two is
  * then seen. 0, or -1 with errno set (the watch then reports changed). */

@@ -275,6 +275,16 @@ int kw_watch_changed(const kw_watch *w) {
            memcmp(w->snapshot + w->head, w->data + w->bytes - w->tail, w->tail) != 0;
 }
 
+void kw_watch_prefetch(const kw_watch *w) {
+    if (w->entry >= 0) __builtin_prefetch(&regions[w->entry].changed);
+    __builtin_prefetch(w->snapshot);
+    __builtin_prefetch(w->data);
+    if (w->tail) {
+        __builtin_prefetch(w->snapshot + w->head);
+        __builtin_prefetch(w->data + w->bytes - w->tail);
+    }
+}
+
 int kw_watch_rearm(kw_watch *w) {
     const int rc = protect(w);
     take_snapshot(w);

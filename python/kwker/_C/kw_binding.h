@@ -44,6 +44,14 @@ int kw__tensor_read_is_fast(void);
  * kw__tensor_read gives the answer or the error. */
 int kw__tensor_read_quick(PyObject *t, kw_tensor *out);
 
+/* Before reading many tensors: round 0 prefetches each one's Python object,
+ * round 1 its TensorImpl, round 2 its storage, so that the cache misses of all
+ * of them overlap instead of following each other (a call reads some 400 cold
+ * tensors right after a step streamed the weights). t must be a torch.Tensor
+ * (checked by the caller) and each round must follow the one before for every
+ * tensor. Any object may be given: only tensors are followed. */
+void kw__tensor_prefetch(PyObject *t, int round);
+
 /* Bytes from a layout's first element to past its last (0 when empty); strides
  * must not be negative. -1 on overflow. */
 int64_t kw__layout_extent(const kw_tensor *t);
@@ -110,8 +118,16 @@ extern PyTypeObject kw__PlanType;
 extern PyTypeObject kw__WatchType;
 
 /* 1 when `tensor` is not the watch's memory and layout, or that memory was
- * written since the watch was made or rearmed; 0; -1 with an exception. */
+ * written since the watch was made or rearmed; 0; -1 with an exception. The
+ * two halves: kw__watch_moved (the tensor, with the GIL) and
+ * kw_watch_changed(kw__watch_memory(watch)) (the memory, any thread; NULL for a
+ * tensor of zero bytes, which never changes). */
 int kw__watch_changed(PyObject *watch, PyObject *tensor);
+int kw__watch_moved(PyObject *watch, PyObject *tensor);
+struct kw_watch;
+const struct kw_watch *kw__watch_memory(PyObject *watch);
+/* Starts fetching what kw__watch_changed reads of the watch (see kw_watch_prefetch). */
+void kw__watch_prefetch(PyObject *watch);
 
 /* The host step every fallback of every plan runs: user is the fallback's index. */
 int kw__fallback_call(void *user, kw_tensor *views, int n);

@@ -63,6 +63,7 @@ typedef struct kw__state {
         PyObject *watch; /* a reference of its own; NULL for a value */
         double value;    /* the float the plan was specialised on */
     } *src;
+    const struct kw_watch **memories; /* room for n_src: this call's memories to check */
 } kw__state;
 
 typedef struct PlanObject {
@@ -75,7 +76,7 @@ typedef struct PlanObject {
     unsigned long owner;     /* the thread inside a call, 0 when none (read and written with the GIL) */
     PyObject *const *args;   /* this call's arguments */
     PyObject *exc_type, *exc_value, *exc_tb; /* a fallback's exception */
-    int64_t timing_ns[3];    /* the last call: sources and inputs checked, replay, whole call */
+    int64_t timing_ns[5];    /* the last call: sources, inputs, outputs, replay, whole call */
 } PlanObject;
 
 /* The plan replaying on this thread: fallbacks find their plan here, and a
@@ -121,6 +122,7 @@ static void state_free(kw__state *s) {
     for (int i = 0; s->fresh && s->prog && i < s->prog->n_outputs; i++) Py_XDECREF(s->fresh[i]);
     for (int i = 0; i < s->n_src; i++) Py_XDECREF(s->src[i].watch);
     PyMem_Free(s->src);
+    PyMem_Free(s->memories);
     Py_XDECREF(s->sources);
     Py_XDECREF(s->refresh);
     kw__program_free(s->prog);
@@ -198,7 +200,10 @@ static int bind_input(kw__state *s, const kw__py_input *in, PyObject *arg) {
 static int read_sources(kw__state *s) {
     const Py_ssize_t n = PyList_GET_SIZE(s->sources);
     struct kw__watched *src = PyMem_Calloc((size_t)n + 1, sizeof *src);
-    if (!src) {
+    const struct kw_watch **memories = PyMem_Calloc((size_t)n + 1, sizeof *memories);
+    if (!src || !memories) {
+        PyMem_Free(src);
+        PyMem_Free(memories);
         PyErr_NoMemory();
         return -1;
     }
@@ -223,11 +228,14 @@ static int read_sources(kw__state *s) {
     if (i < n) {
         while (i--) Py_XDECREF(src[i].watch);
         PyMem_Free(src);
+        PyMem_Free(memories);
         return -1;
     }
     for (int j = 0; j < s->n_src; j++) Py_XDECREF(s->src[j].watch);
     PyMem_Free(s->src);
+    PyMem_Free(s->memories);
     s->src = src;
+    s->memories = memories;
     s->n_src = (int)n;
     return 0;
 }
@@ -242,13 +250,34 @@ static int value_changed(PyObject *arg, double value) {
 
 /* 1 when a source moved, changed layout or was written, or a value differs; 0;
  * -1 with an exception. */
+/* The watched memories' checks (their end bytes compared: 4 KiB a weight),
+ * split over the pool's threads. */
+typedef struct memory_check {
+    const struct kw_watch **w;
+    int n;
+    atomic_int changed;
+} memory_check;
+
+static void check_memories(void *arg, int ith, int nth) {
+    memory_check *m = arg;
+    for (int i = ith; i < m->n && !atomic_load_explicit(&m->changed, memory_order_relaxed); i += nth)
+        if (kw_watch_changed(m->w[i])) atomic_store(&m->changed, 1);
+}
+
 static int sources_changed(kw__state *s, PyObject *const *args) {
+    memory_check m = {.w = s->memories};
     for (int i = 0; i < s->n_src; i++) {
         const struct kw__watched *w = &s->src[i];
-        const int changed = w->watch ? kw__watch_changed(w->watch, args[w->arg]) : value_changed(args[w->arg], w->value);
+        const int changed = w->watch ? kw__watch_moved(w->watch, args[w->arg]) : value_changed(args[w->arg], w->value);
         if (changed) return changed;
+        if (w->watch && kw__watch_memory(w->watch)) m.w[m.n++] = kw__watch_memory(w->watch);
     }
-    return 0;
+    kw_pool *pool = pool_get(s->n_threads);
+    if (!pool) return -1;
+    Py_BEGIN_ALLOW_THREADS
+    kw_pool_run(pool, check_memories, &m);
+    Py_END_ALLOW_THREADS
+    return atomic_load(&m.changed);
 }
 
 static PyObject *args_tuple(PyObject *const *args, Py_ssize_t n) {
@@ -384,14 +413,30 @@ static PyObject *replay_failed(PlanObject *p, int rc) {
     return kw__plan_error(rc, "replay failed: %s", kw_strerror(rc));
 }
 
+/* Every tensor a call checks is cold (the step before streamed the weights
+ * through the caches): their misses are started together, a level of
+ * indirection per round, before any is read. */
+static void prefetch_checks(const kw__state *s, PyObject *const *args) {
+    for (int round = 0; round < 3; round++) {
+        for (int i = 0; i < s->prog->n_inputs; i++) kw__tensor_prefetch(args[s->prog->inputs[i].arg], round);
+        for (int i = 0; i < s->n_src; i++) {
+            kw__tensor_prefetch(args[s->src[i].arg], round);
+            if (round == 0 && s->src[i].watch) kw__watch_prefetch(s->src[i].watch);
+        }
+    }
+}
+
 /* Steps 2-4 of a call, with the plan's lock held. */
 static PyObject *call_locked(PlanObject *p, PyObject *const *args, Py_ssize_t nargs) {
     const int64_t t0 = now_ns();
+    prefetch_checks(p->s, args);
     if (update_sources(p, args, nargs)) return NULL;
+    const int64_t t_sources = now_ns();
     kw__state *s = p->s;
     const kw__program *prog = s->prog;
     for (int i = 0; i < prog->n_inputs; i++)
         if (bind_input(s, &prog->inputs[i], args[prog->inputs[i].arg])) return NULL;
+    const int64_t t_inputs = now_ns();
     kw_pool *pool = pool_get(s->n_threads);
     if (!pool || make_outputs(s)) {
         drop_fresh(s);
@@ -409,7 +454,9 @@ static PyObject *call_locked(PlanObject *p, PyObject *const *args, Py_ssize_t na
     PyObject *res = rc ? replay_failed(p, rc) : make_returns(p);
     p->args = NULL;
     drop_fresh(s);
-    p->timing_ns[0] = t1 - t0, p->timing_ns[1] = t2 - t1, p->timing_ns[2] = now_ns() - t0;
+    const int64_t t_end = now_ns();
+    p->timing_ns[0] = t_sources - t0, p->timing_ns[1] = t_inputs - t_sources, p->timing_ns[2] = t1 - t_inputs;
+    p->timing_ns[3] = t2 - t1, p->timing_ns[4] = t_end - t0;
     return res;
 }
 
@@ -724,8 +771,9 @@ static PyObject *plan_get_int(PyObject *self, void *which) {
 
 static PyObject *plan_get_last_call(PyObject *self, void *closure) {
     const int64_t *t = ((PlanObject *)self)->timing_ns;
-    return Py_BuildValue("{s:d,s:d,s:d}", "check_us", (double)t[0] / 1e3, "replay_us", (double)t[1] / 1e3, "call_us",
-                         (double)t[2] / 1e3);
+    return Py_BuildValue("{s:d,s:d,s:d,s:d,s:d,s:d}", "sources_us", (double)t[0] / 1e3, "inputs_us", (double)t[1] / 1e3,
+                         "outputs_us", (double)t[2] / 1e3, "check_us", (double)(t[0] + t[1] + t[2]) / 1e3, "replay_us",
+                         (double)t[3] / 1e3, "call_us", (double)t[4] / 1e3);
 }
 
 static PyObject *plan_repr(PyObject *self) {
@@ -773,8 +821,9 @@ static PyGetSetDef plan_getset[] = {
      "None when profiling is off, else {'replays': n, 'steps': [{'step', 'op', 'label', 'total_us', 'mean_us'}]}.",
      NULL},
     {"last_call", plan_get_last_call, NULL,
-     "The last call's wall time in µs: {'check_us': sources and inputs checked and bound, outputs made;\n"
-     "'replay_us': the replay; 'call_us': the whole call}.",
+     "The last call's wall time in µs: 'sources_us' (the copies' sources checked, refreshed if need be),\n"
+     "'inputs_us' (inputs checked and bound), 'outputs_us' (fresh outputs made), 'check_us' (the three),\n"
+     "'replay_us', 'call_us' (the whole call, returns made too).",
      NULL},
     {"n_steps", plan_get_int, NULL, "Steps in the plan.", (void *)0},
     {"n_barriers", plan_get_int, NULL, "Barriers one replay passes.", (void *)1},

@@ -171,7 +171,8 @@ typedef int32_t (*shim_get_i32_fn)(void *tensor, int32_t *out);
 
 static struct {
     int ok;
-    Py_ssize_t offset; /* of the at::Tensor in a tensor's Python object */
+    Py_ssize_t offset;  /* of the at::Tensor in a tensor's Python object */
+    Py_ssize_t storage; /* of the StorageImpl pointer in a TensorImpl, for prefetching only; -1: not found */
     int32_t cpu;
     int32_t dtype_code[KW_DTYPE_COUNT];
     shim_get_ptr_fn data_ptr;
@@ -229,6 +230,20 @@ static int shim_check(PyObject *probe) {
         if (*(void **)((char *)probe + off) == impl) at = off;
     if (at < 0 || (shim.offset && at != shim.offset)) return 0;
     shim.offset = at;
+    /* Where the TensorImpl keeps its storage: only ever used as a prefetch hint. */
+    PyObject *storage = PyObject_CallMethod(probe, "untyped_storage", NULL);
+    PyObject *storage_impl = storage ? PyObject_GetAttrString(storage, "_cdata") : NULL;
+    void *simpl = storage_impl ? PyLong_AsVoidPtr(storage_impl) : NULL;
+    Py_XDECREF(storage_impl);
+    Py_XDECREF(storage);
+    PyErr_Clear();
+    Py_ssize_t found = -1;
+    for (Py_ssize_t off = 0; simpl && off < 256 && found < 0; off += sizeof(void *))
+        if (*(void **)((char *)impl + off) == simpl) found = off;
+    if (found < 0 || (shim.storage && shim.storage != found))
+        shim.storage = -1; /* not found, or not where the first probe had it */
+    else if (!shim.storage)
+        shim.storage = found;
     kw_tensor fast, slow;
     return tensor_read_shim(probe, &fast) == 0 && tensor_read_python(probe, "probe", &slow) == 0 &&
            same_reading(&fast, &slow);
@@ -285,6 +300,23 @@ static void shim_init(PyObject *torch) {
 }
 
 int kw__tensor_read_is_fast(void) { return shim.ok; }
+
+void kw__tensor_prefetch(PyObject *t, int round) {
+    if (!shim.ok) return;
+    const char *obj = (const char *)t + shim.offset;
+    if (round == 0) {
+        __builtin_prefetch(obj);
+        return;
+    }
+    if (!PyObject_TypeCheck(t, kw__t.tensor_type)) return;
+    const char *impl = *(const char *const *)obj;
+    if (!impl) return;
+    if (round == 1) {
+        for (int line = 0; line < 4; line++) __builtin_prefetch(impl + 64 * line);
+    } else if (shim.storage > 0) {
+        __builtin_prefetch(*(const char *const *)(impl + shim.storage));
+    }
+}
 
 int64_t kw__layout_extent(const kw_tensor *t) {
     int64_t last = 0, span;

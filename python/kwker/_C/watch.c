@@ -22,7 +22,7 @@ static int same_layout(const kw_tensor *a, const kw_tensor *b) {
     return 1;
 }
 
-int kw__watch_changed(PyObject *watch, PyObject *tensor) {
+int kw__watch_moved(PyObject *watch, PyObject *tensor) {
     if (!PyObject_TypeCheck(watch, &kw__WatchType)) {
         PyErr_Format(PyExc_TypeError, "expected a kwker._C.Watch, not %.100s", Py_TYPE(watch)->tp_name);
         return -1;
@@ -30,8 +30,22 @@ int kw__watch_changed(PyObject *watch, PyObject *tensor) {
     WatchObject *self = (WatchObject *)watch;
     kw_tensor now;
     if (kw__tensor_read_quick(tensor, &now) && kw__tensor_read(tensor, "a watched tensor", &now)) return -1;
-    if (now.data != self->t.data || !same_layout(&now, &self->t)) return 1;
-    return self->w && kw_watch_changed(self->w);
+    return now.data != self->t.data || !same_layout(&now, &self->t);
+}
+
+const kw_watch *kw__watch_memory(PyObject *watch) { return ((WatchObject *)watch)->w; }
+
+int kw__watch_changed(PyObject *watch, PyObject *tensor) {
+    const int moved = kw__watch_moved(watch, tensor);
+    if (moved) return moved;
+    const kw_watch *w = kw__watch_memory(watch);
+    return w && kw_watch_changed(w);
+}
+
+void kw__watch_prefetch(PyObject *watch) {
+    const WatchObject *self = (const WatchObject *)watch;
+    __builtin_prefetch(&self->w);
+    if (self->w) kw_watch_prefetch(self->w);
 }
 
 static PyObject *watch_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
