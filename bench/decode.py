@@ -9,7 +9,9 @@ side, and the machine's read bandwidth is measured in the same run.
 
 Per row: decode tokens/s of the whole generate() loop, first-compile seconds,
 the ratio to stock Inductor, the decode step (the model call generate() makes
-per token, Dynamo's guards included) and what generate() adds around it per
+per token, Dynamo's guards included), for kwker the plan's own replay of that
+step and the overhead (step less replay: Dynamo's guards and wrapper, kwker's
+checks of its inputs and watched weights), what generate() adds around it per
 token, the step against the roofline (bytes a step must read ÷ read bandwidth),
 the step and its roofline fraction again with Dynamo's guard check skipped,
 whether the tokens equal eager's (and how many leading ones do), and how far
@@ -37,7 +39,7 @@ import torch
 import torch._inductor.config
 
 import kwker
-from kwker import _C
+from kwker import _C, summary
 from kwker.weights import is_bf16_valued
 from kwker.testing import BENCH_CONFIGS, bench_model
 from kwker.threads import SPIN_VARIABLES
@@ -73,10 +75,11 @@ class StepTimer:
     """Times every call generate() makes to the model after the prefill: the
     decode step as the caller sees it (for a compiled backend, Dynamo's compiled
     callable, its guards included), and when the first one started, so that the
-    decode part of the same generate() is known."""
+    decode part of the same generate() is known. When kwker replayed the step,
+    also the plan's own replay (kwker._C.Plan.last_call) of each of them."""
 
     def __init__(self, model, compiled: bool):
-        self.model, self.compiled, self.times, self.first_start = model, compiled, [], None
+        self.model, self.compiled, self.times, self.replays, self.first_start = model, compiled, [], [], None
 
     def _timed(self, fn):
         def call(*args, **kwargs):
@@ -84,6 +87,9 @@ class StepTimer:
             out = fn(*args, **kwargs)
             self.times.append(time.perf_counter() - start)
             self.first_start = self.first_start or start
+            plan = next((g for g in reversed(summary.graphs()) if g.kind == "decode-replay"), None)
+            if plan is not None and plan.last_call is not None:
+                self.replays.append(plan.last_call["replay_us"] / 1e6)
             return out
         return call
 
@@ -102,14 +108,16 @@ class StepTimer:
 def timed_generate(model, ids, new_tokens, compile_kwargs, max_cache_len):
     """One full generate(): the decode time per token (from the first decode
     call to the end: the step and generate()'s own Python around it), the
-    steps' median, and what generate() adds per token (its decode time less
-    the steps', both summed)."""
+    steps' median, what generate() adds per token (its decode time less the
+    steps', both summed), and the median replay of a kwker plan (None for
+    other backends)."""
     with StepTimer(model, compiled=compile_kwargs is not None) as timer:
         generate(model, ids, new_tokens, compile_kwargs, max_cache_len)
         span = time.perf_counter() - timer.first_start
     n = len(timer.times)
     assert n == new_tokens - 1, (n, new_tokens)
-    return span / n, statistics.median(timer.times), (span - sum(timer.times)) / n
+    replay = statistics.median(timer.replays) if len(timer.replays) == n else None
+    return span / n, statistics.median(timer.times), (span - sum(timer.times)) / n, replay
 
 
 STEADY = 0.15  # bandwidth readings before and after a generate this close: no change of state seen
@@ -125,19 +133,22 @@ def steady_generates(model, ids, compile_kwargs, new_tokens, repeats, max_cache_
     roofline fraction is its median step time against the mean of its two
     readings."""
     threads = torch.get_num_threads()
-    per_token, steps, around, roofline = [], [], [], []
+    per_token, steps, around, replays, roofline = [], [], [], [], []
     while len(roofline) < repeats and len(steps) < 2 * repeats:
-        token_s, step_s, around_s = timed_generate(model, ids, new_tokens, compile_kwargs, max_cache_len)
+        token_s, step_s, around_s, replay_s = timed_generate(model, ids, new_tokens, compile_kwargs, max_cache_len)
         per_token.append(token_s)
         steps.append(step_s)
         around.append(around_s)
+        if replay_s is not None:
+            replays.append(replay_s)
         before, after = reads[-1], read_bandwidth_gbs(threads)
         reads.append(after)
         if abs(before - after) <= STEADY * min(before, after):
             roofline.append(step_bytes / ((before + after) / 2 * 1e9) / step_s)
     return dict(token_s=statistics.median(per_token), step_s=statistics.median(steps),
                 around_s=statistics.median(around), generates=len(steps), steady_generates=len(roofline),
-                roofline_frac=statistics.median(roofline) if roofline else None)
+                roofline_frac=statistics.median(roofline) if roofline else None,
+                replay_s=statistics.median(replays) if replays else None)
 
 
 def measure_backend(model, ids, backend, new_tokens, repeats, max_cache_len, step_bytes):
@@ -259,6 +270,8 @@ def run(models, dtypes, new_tokens, repeats, prompt_len=32, max_cache_len=1024):
                     compile_in_process_s=r["compile_in_process_s"],
                     ratio_vs_inductor=results["inductor"]["token_s"] / r["token_s"],
                     step_ms=r["step_s"] * 1e3,
+                    replay_ms=r["replay_s"] and r["replay_s"] * 1e3,
+                    overhead_ms=r["replay_s"] and (r["step_s"] - r["replay_s"]) * 1e3,
                     generate_overhead_ms=r["around_s"] * 1e3,
                     roofline_frac=r["roofline_frac"],
                     generates=r["generates"],
@@ -284,7 +297,8 @@ def _fmt(value, spec):
 
 def _row_line(r):
     return (f"| {r['model']} | {r['dtype']} | {r['backend']} | {r['tokens_per_s']:.2f} | {r['first_compile_s']:.1f} "
-            f"| {r['ratio_vs_inductor']:.2f} | {r['step_ms']:.1f} | {r['generate_overhead_ms']:.1f} "
+            f"| {r['ratio_vs_inductor']:.2f} | {r['step_ms']:.1f} | {_fmt(r['replay_ms'], '.1f')} "
+            f"| {_fmt(r['overhead_ms'], '.2f')} | {r['generate_overhead_ms']:.1f} "
             f"| {_fmt(r['roofline_frac'], '.2f')} ({r['steady_generates']}/{r['generates']}) "
             f"| {_fmt(r['step_ms_skip_guards'], '.1f')} | {_fmt(r['roofline_frac_skip_guards'], '.2f')} "
             f"| {r['read_gbs']:.1f} "
@@ -296,10 +310,10 @@ def markdown(result) -> str:
     spin = ", ".join(f"{k}={v}" for k, v in result["openmp_spin"].items()) or "OpenMP's default spinning"
     lines = [f"{result['threads']} threads, {result['new_tokens']} new tokens, median of {result['repeats']}, {spin}",
              "",
-             "| model | dtype | backend | decode tok/s | first compile s | × inductor | step ms | generate() ms "
-             "| roofline (steady/generates) | step ms, guards skipped | roofline, guards skipped | read GB/s "
-             "| tokens = eager (leading equal) | logits error vs fp32 |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| model | dtype | backend | decode tok/s | first compile s | × inductor | step ms | replay ms "
+             "| overhead ms | generate() ms | roofline (steady/generates) | step ms, guards skipped "
+             "| roofline, guards skipped | read GB/s | tokens = eager (leading equal) | logits error vs fp32 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     return "\n".join(lines + [_row_line(r) for r in result["rows"]])
 
 

@@ -40,7 +40,7 @@ def compile_routed(path: str, gm, example_inputs, opts: KwkerOptions):
         try:
             plan, detail = compile_decode_step(gm, example_inputs, glue=opts.glue)
             warn_once_if_openmp_spins()
-            return "decode-replay", plan, detail
+            return "decode-replay", plan, dict(detail, plan=plan)
         except (NotLowerable, _C.PlanError) as e:  # a PlanError here is a lowering bug: logged, never a failed compile
             detail["why"] = f"decode step not replayable: {e}"
             path = "cpu-inference"

@@ -1,6 +1,7 @@
 """What kwker compiled in this process, which ``kwker.report()`` prints: each
 graph with its kind, the fallback ops in its plan and its compile seconds."""
 
+import weakref
 from dataclasses import dataclass, field
 
 
@@ -15,9 +16,18 @@ class GraphReport:
     fallback_ops: list[str] = field(default_factory=list)
     copies: int = 0  # weight copies kwker made and keeps fresh (kwker.weights)
     why: str = ""
+    plan: object = None  # a replayed graph's plan, weakly: its last_call timings while it lives
 
     def __post_init__(self):
         self.why = self.why or self.reason
+        if self.plan is not None:
+            self.plan = weakref.ref(self.plan)
+
+    @property
+    def last_call(self) -> dict | None:
+        """The plan's last call, phase by phase in µs (kwker._C.Plan.last_call)."""
+        plan = self.plan() if self.plan is not None else None
+        return plan.last_call if plan is not None else None
 
 
 _graphs: list[GraphReport] = []
