@@ -15,9 +15,6 @@ def compile_config(**kwargs):
       name up at once race in torch's registry ("duplicate name: kwker");
     - ``mode=None``: CompileConfig's default "reduce-overhead" would clash with
       ``options=``;
-    - ``dynamic=False``: a second generate() with another cache length or batch
-      then compiles a new static step, which kwker replays, instead of one with
-      dynamic shapes, which it would hand to Inductor;
     - ``_compile_all_devices``, without which generate() compiles nothing on a CPU.
 
     Keyword arguments override these."""
@@ -25,7 +22,7 @@ def compile_config(**kwargs):
 
     from kwker.dynamo_backend import kwker_backend
 
-    config = CompileConfig(**{"backend": kwker_backend, "mode": None, "fullgraph": True, "dynamic": False, **kwargs})
+    config = CompileConfig(**{"backend": kwker_backend, "mode": None, "fullgraph": True, **kwargs})
     config._compile_all_devices = True
     return config
 

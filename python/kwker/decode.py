@@ -15,9 +15,12 @@ the step, has its weights packed into the same copies.
 """
 
 import logging
+import threading
 
 import torch
+from torch.fx.experimental.symbolic_shapes import optimization_hint
 
+from kwker import _C
 from kwker.aten_graph import trace_to_aten
 from kwker.lower import NotLowerable, lower_to_plan
 from kwker.rewrite import reserved_copy_bytes, rewrite_language_model
@@ -53,8 +56,18 @@ def _mutates_first_arg(node) -> bool:
 
 
 def compile_decode_step(gm: torch.fx.GraphModule, example_inputs, glue: bool = True):
-    """The plan for Dynamo's graph gm of a decode step, and what it did (rewrite
-    counts, fallback ops). Raises NotLowerable when gm is not one it can replay."""
+    """What replays Dynamo's graph gm of a decode step (a Plan, or a
+    StepPerSizes when Dynamo made sizes inputs), and what compiling it did
+    (rewrite counts, fallback ops). Raises NotLowerable when gm is not one it
+    can replay."""
+    if any(isinstance(x, torch.SymInt) for x in example_inputs):
+        step = StepPerSizes(gm, example_inputs, glue)
+        return step, step.detail
+    return compile_plan(gm, example_inputs, glue)
+
+
+def compile_plan(gm: torch.fx.GraphModule, example_inputs, glue: bool = True):
+    """The plan for gm with these inputs, every size a Python int."""
     arena = WeightArena(reserved_copy_bytes(gm, example_inputs))  # faults in while the graph is traced
     try:
         aten_gm = trace_to_aten(gm, example_inputs)
@@ -124,8 +137,46 @@ class _Refresh:
             return None
         log.info("decode step: %s; compiling the step again",
                  "a weight can no longer be copied the same way" if same_values else "a float input changed")
-        plan, _ = compile_decode_step(self.gm, list(args), self.glue)
+        plan, _ = compile_plan(self.gm, list(args), self.glue)
         return plan
+
+
+class StepPerSizes:
+    """A decode step whose sizes Dynamo made inputs: under its automatic dynamic
+    shapes, a second generate() with another cache length compiles the step
+    again with that length as a SymInt input. Each call's sizes get a plan of
+    their own, compiled on the first call with them; the step keeps only the
+    latest plan, dropped before the next is compiled, so that memory holds one
+    set of weight copies. A plan's own checks still see every input's layout.
+    When a plan cannot be compiled for some sizes, those calls run Dynamo's
+    graph eagerly, logged: slow, never wrong."""
+
+    def __init__(self, gm: torch.fx.GraphModule, example_inputs, glue: bool):
+        self.gm, self.glue = gm, glue
+        self.sizes = [i for i, x in enumerate(example_inputs) if isinstance(x, torch.SymInt)]
+        # The hints, not int(): that would add a guard and specialise Dynamo's graph.
+        args = [optimization_hint(x) if isinstance(x, torch.SymInt) else x for x in example_inputs]
+        self.plan, self.detail = compile_plan(gm, args, glue)
+        self.key = tuple(args[i] for i in self.sizes)
+        self.lock = threading.Lock()  # a call compiling a plan must not drop the one another thread replays
+
+    def __call__(self, *args):
+        key = tuple(args[i] for i in self.sizes)
+        with self.lock:
+            if key != self.key:
+                self.plan = self.key = None
+                try:
+                    self.plan, _ = compile_plan(self.gm, list(args), self.glue)
+                    log.info("decode step: a plan for sizes %s", key)
+                except (NotLowerable, _C.PlanError) as e:
+                    self.plan = self.gm
+                    log.warning("decode step: no plan for sizes %s (%s); those calls run Dynamo's graph eagerly", key, e)
+                self.key = key
+            return self.plan(*args)
+
+    @property
+    def last_call(self) -> dict | None:
+        return getattr(self.plan, "last_call", None)
 
 
 __all__ = ["classify_decode_step", "compile_decode_step"]

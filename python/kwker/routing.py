@@ -30,15 +30,17 @@ def graph_devices(gm: torch.fx.GraphModule, example_inputs) -> set[str]:
     return devices
 
 
-def has_static_shapes(example_inputs) -> bool:
-    def static(x):
-        if isinstance(x, torch.SymInt):
-            return False
-        if isinstance(x, torch.Tensor):
-            return all(isinstance(d, int) for d in (*x.shape, *x.stride()))
-        return True
+def symbolic_tensor(example_inputs) -> bool:
+    """A tensor input with a symbolic size or stride (Dynamo passes real tensors,
+    and the sizes it made dynamic as separate SymInt inputs)."""
+    return any(isinstance(x, torch.Tensor) and not all(isinstance(d, int) for d in (*x.shape, *x.stride()))
+               for x in example_inputs)
 
-    return all(static(x) for x in example_inputs)
+
+def size_inputs(example_inputs) -> bool:
+    """Sizes Dynamo made dynamic (automatic dynamic shapes: a second generate()
+    with another cache length), which reach the graph as SymInt inputs."""
+    return any(isinstance(x, torch.SymInt) for x in example_inputs)
 
 
 def route_graph(gm: torch.fx.GraphModule, example_inputs, grad_enabled: bool = False) -> Route:
@@ -47,16 +49,19 @@ def route_graph(gm: torch.fx.GraphModule, example_inputs, grad_enabled: bool = F
         return Route("inductor-unchanged", f"tensors on {', '.join(accelerators)}: kwker's kernels are CPU-only")
     if grad_enabled:
         return Route("inductor", "a training graph (grad enabled): Inductor compiles it")
-    if not has_static_shapes(example_inputs):
-        return Route("inductor", "dynamic shapes: kwker's rewrites and plans need static shapes")
+    dynamic = Route("inductor", "dynamic shapes: kwker's rewrites and plans need static shapes")
+    if symbolic_tensor(example_inputs):
+        return dynamic
     cache_write = static_cache_write(gm)
     if cache_write is None:
-        return Route("cpu-inference", "a CPU inference graph with static shapes")
+        return dynamic if size_inputs(example_inputs) else Route("cpu-inference", "a CPU inference graph with static shapes")
     if cache_write:
         return Route("inductor", f"not a decode step: {cache_write}")
     unfit = unfit_for_kernels(gm, example_inputs)
     if unfit:
         return Route("inductor", f"a decode step kwker cannot replay: {unfit}")
+    if size_inputs(example_inputs):
+        return Route("decode", "a decode step with dynamic sizes: a plan for each call's sizes")
     return Route("decode", "a decode step: writes a static cache at one position")
 
 
@@ -90,6 +95,6 @@ def unfit_for_kernels(gm: torch.fx.GraphModule, example_inputs) -> str | None:
                 return f"input {node.name} is {x.dtype}; kwker's kernels take float32 and bfloat16"
             if x.is_complex():
                 return f"input {node.name} is {x.dtype}"
-        elif not isinstance(x, (int, bool)):
+        elif not isinstance(x, (int, bool, torch.SymInt)):
             return f"input {node.name} is a {type(x).__name__}, not a tensor"
     return None

@@ -15,9 +15,9 @@ SMALL_CONFIGS = {
     "qwen3": ("Qwen3Config", {"head_dim": 16}),
     "mistral": ("MistralConfig", {"sliding_window": None}),
     "phi3": ("Phi3Config", {"pad_token_id": 0}),
-    # Full attention in every layer: transformers' sliding-window cache layer keeps
-    # a Python int that Dynamo guards on, so it recompiles at every step whatever
-    # the backend.
+    # Full attention in every layer: a step with transformers' sliding-window
+    # cache layers is not replayed yet (it goes to Inductor, see
+    # test_sliding_window_caches_give_eagers_tokens).
     "gemma3": ("Gemma3TextConfig", {"head_dim": 16, "query_pre_attn_scalar": 16,
                                     "layer_types": ["full_attention", "full_attention"]}),
     "olmo2": ("Olmo2Config", {}),
@@ -76,9 +76,11 @@ def random_model(config, dtype=torch.float32, seed=0, bf16_valued=True, head_sca
     return model.to(dtype)
 
 
-def small_model(arch: str, dtype=torch.float32, seed=0, **kw):
+def small_model(arch: str, dtype=torch.float32, seed=0, config: dict | None = None, **kw):
+    """SMALL_CONFIGS[arch], its fields overridden by config, as random_model(**kw) makes it."""
     config_class, extra = SMALL_CONFIGS[arch]
-    return random_model(make_config(config_class, **{**_SMALL, **extra}), dtype=dtype, seed=seed, **kw)
+    fields = {**_SMALL, **extra, **(config or {})}
+    return random_model(make_config(config_class, **fields), dtype=dtype, seed=seed, **kw)
 
 
 def bench_model(name: str, dtype=torch.float32, seed=0):

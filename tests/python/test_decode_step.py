@@ -76,14 +76,41 @@ def test_a_weight_that_is_no_longer_bf16_valued_gets_a_step_compiled_again_that_
 def test_a_generate_with_another_cache_length_gets_a_replayed_step_of_its_own():
     model = llama()
     config = kwker.compile_config()
-    for max_cache_len in (32, 48, 32):
+    # 48 makes Dynamo compile the step again with sizes as inputs; 64 reuses that
+    # step with a plan for its sizes (generate() keeps a cache at least as long)
+    for max_cache_len in (32, 48, 64):
         out = model.generate(PROMPT, max_new_tokens=8, do_sample=False, cache_implementation="static",
                              max_cache_len=max_cache_len, compile_config=config).tolist()
         ref = model.generate(PROMPT, max_new_tokens=8, do_sample=False, cache_implementation="static",
                              max_cache_len=max_cache_len).tolist()
         assert out == ref
     assert [g.kind for g in summary.graphs()] == ["decode-replay"] * 2, kwker.report()
+    assert summary.graphs()[1].last_call is not None  # the last call was replayed by a plan, not run eagerly
 
+
+
+def test_sizes_a_plan_cannot_be_compiled_for_run_dynamos_graph_eagerly_with_eagers_tokens(monkeypatch, caplog):
+    import kwker.decode
+
+    compile_plan = kwker.decode.compile_plan
+
+    def refuse_72(gm, args, glue=True):
+        if any(isinstance(a, torch.Tensor) and a.dim() == 4 and a.shape[2] == 72 for a in args):  # the cache
+            raise kwker.lower.NotLowerable("refused by the test")
+        return compile_plan(gm, args, glue)
+
+    monkeypatch.setattr(kwker.decode, "compile_plan", refuse_72)
+    model = llama()
+    config = kwker.compile_config()
+    for max_cache_len in (32, 48, 72, 80):  # each longer: generate() keeps a cache at least as long
+        kw = dict(max_new_tokens=8, do_sample=False, cache_implementation="static", max_cache_len=max_cache_len)
+        with caplog.at_level("WARNING", logger="kwker.decode"):
+            assert model.generate(PROMPT, compile_config=config, **kw).tolist() == model.generate(PROMPT, **kw).tolist()
+        if max_cache_len == 72:
+            assert "run Dynamo's graph eagerly" in caplog.text
+            assert summary.graphs()[1].last_call is None
+    assert summary.graphs()[1].last_call is not None  # 80: a plan once more
+    assert [g.kind for g in summary.graphs()] == ["decode-replay"] * 2, kwker.report()
 
 def test_wide_weights_are_read_k_blocked_with_eagers_tokens():
     k = 4096  # down_proj's inner size: kwker stores that weight as [k/B, 64, B]

@@ -69,6 +69,19 @@ def test_generate_gives_eagers_tokens(arch, dtype):
     assert len(replayed_graphs()) == 1, kwker.report()
 
 
+def test_sliding_window_caches_give_eagers_tokens():
+    """The sliding-window cache layer keeps a Python int that changes every
+    token: under Dynamo's default it becomes an input after one recompile (it
+    would hit the recompile limit with dynamic=False). Its step writes an
+    intermediate in place and goes to Inductor; the window is crossed here."""
+    ids = torch.tensor([PROMPTS[0]])
+    model = small_model("mistral", config={"sliding_window": 4})
+    ref = generate(model, ids)
+    out = generate(model, ids, kwker.compile_config())
+    assert out.sequences.tolist() == ref.sequences.tolist()
+    assert summary.graphs() and not replayed_graphs(), kwker.report()
+
+
 def test_batch_of_two_with_left_padding_gives_eagers_tokens():
     pad = 0
     ids = torch.tensor([[pad, pad, 3, 17, 42, 9, 7, 12], [11, 2, 33, 60, 21, 8, 14, 40]])
