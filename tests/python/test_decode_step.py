@@ -89,7 +89,7 @@ def test_a_generate_with_another_cache_length_gets_a_replayed_step_of_its_own():
 
 
 
-def test_sizes_a_plan_cannot_be_compiled_for_run_dynamos_graph_eagerly_with_eagers_tokens(monkeypatch, caplog):
+def test_sizes_a_plan_cannot_be_compiled_for_run_dynamos_graph_eagerly_with_eagers_tokens(monkeypatch):
     import kwker.decode
 
     compile_plan = kwker.decode.compile_plan
@@ -104,11 +104,9 @@ def test_sizes_a_plan_cannot_be_compiled_for_run_dynamos_graph_eagerly_with_eage
     config = kwker.compile_config()
     for max_cache_len in (32, 48, 72, 80):  # each longer: generate() keeps a cache at least as long
         kw = dict(max_new_tokens=8, do_sample=False, cache_implementation="static", max_cache_len=max_cache_len)
-        with caplog.at_level("WARNING", logger="kwker.decode"):
-            assert model.generate(PROMPT, compile_config=config, **kw).tolist() == model.generate(PROMPT, **kw).tolist()
+        assert model.generate(PROMPT, compile_config=config, **kw).tolist() == model.generate(PROMPT, **kw).tolist()
         if max_cache_len == 72:
-            assert "run Dynamo's graph eagerly" in caplog.text
-            assert summary.graphs()[1].last_call is None
+            assert summary.graphs()[1].last_call is None  # no plan: Dynamo's graph ran
     assert summary.graphs()[1].last_call is not None  # 80: a plan once more
     assert [g.kind for g in summary.graphs()] == ["decode-replay"] * 2, kwker.report()
 
