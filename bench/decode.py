@@ -194,16 +194,22 @@ def logits_error(r, ref) -> float | None:
 
 def bytes_per_step(model, backend, avg_len):
     """What a decode step must read: every linear weight (kwker reads the bf16
-    copy of a bf16-valued float32 weight) and the valid part of the KV cache."""
+    copy of a bf16-valued float32 weight), the experts a token is routed to,
+    and the valid part of the KV cache."""
     kwker_packs = backend.startswith("kwker")
 
     def read_bytes(w):
         return w.numel() * (2 if kwker_packs and (w.dtype == torch.bfloat16 or is_bf16_valued(w)) else w.element_size())
 
     weights = sum(read_bytes(p) for name, p in model.named_parameters() if p.dim() == 2 and "embed_tokens" not in name)
+    # A mixture of experts' [experts, ...] weights, read as stored: one token reads its top-k experts' share.
+    c = model.config
+    experts = getattr(c, "num_local_experts", None) or getattr(c, "num_experts", None)
+    if experts:
+        weights += sum(p.numel() * p.element_size() for p in model.parameters() if p.dim() == 3) \
+            * c.num_experts_per_tok // experts
     if model.get_output_embeddings().weight is model.get_input_embeddings().weight:
         weights += read_bytes(model.get_output_embeddings().weight)
-    c = model.config
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     kv = 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * avg_len * model.dtype.itemsize
     return weights + kv

@@ -2,7 +2,8 @@
 
 A decode step is a CPU inference graph that writes non-parameter inputs in
 place (the cache's index_copy_ and the counter's add_ of transformers'
-StaticCache) at one query position. routing.py recognises the candidates on
+StaticCache) at one query position; it may write its own intermediates in
+place too (MoE routing's inverse permutation), never a parameter. routing.py recognises the candidates on
 Dynamo's graph, before anything is traced; classify_decode_step checks the
 ATen trace. The step is lowered to a plan and never given to Inductor.
 
@@ -22,7 +23,7 @@ from torch.fx.experimental.symbolic_shapes import optimization_hint
 
 from kwker import _C
 from kwker.aten_graph import trace_to_aten
-from kwker.lower import NotLowerable, lower_to_plan
+from kwker.lower import NotLowerable, lower_to_plan, storage_key
 from kwker.rewrite import reserved_copy_bytes, rewrite_language_model
 from kwker.weights import CopiedWeights, WeightArena
 
@@ -37,12 +38,13 @@ def classify_decode_step(gm: torch.fx.GraphModule, example_inputs) -> str | None
     cache_writes = [n for n in writes if n.target is aten.index_copy_.default]
     if not cache_writes:
         return "it writes no static cache"
+    # What each write reaches is decided by storage: a view of an input is that input.
+    input_of_storage = {storage_key(n.meta["val"]): (n, x) for n, x in zip(placeholders, example_inputs)
+                        if isinstance(x, torch.Tensor)}
     for n in writes:
-        target = n.args[0]
-        if target.op != "placeholder":
-            return f"{n.name} writes an intermediate in place"
-        if isinstance(example_inputs[placeholders.index(target)], torch.nn.Parameter):
-            return f"{n.name} writes the parameter {target.name}"
+        written, x = input_of_storage.get(storage_key(n.args[0].meta["val"]), (None, None))
+        if isinstance(x, torch.nn.Parameter):
+            return f"{n.name} writes the parameter {written.name}"
     for n in cache_writes:
         dim, src = n.args[1], n.args[3]
         if src.meta["val"].shape[dim] != 1:

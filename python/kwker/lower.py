@@ -158,12 +158,13 @@ class _Lowering:
         if _is_view_op(node) or (len(vals) == 1 and storage_key(vals[0]) in self.buffers and not _is_inplace_op(node)):
             return  # an alias (a view, or _unsafe_view): another view of its input's buffer
         if _is_inplace_op(node):
-            if node.target not in INPLACE_LOWERINGS:
-                raise NotLowerable(f"in-place op {node.target} has no native step")
+            lowering, why = INPLACE_LOWERINGS.get(node.target), "no native op"
             try:
-                return INPLACE_LOWERINGS[node.target](self, node)
+                if lowering is not None:
+                    return lowering(self, node)
             except _Rejected as e:
-                return self.fallback(node, str(e))  # writes into the input's own memory, as the op does
+                why = str(e)
+            return self.fallback(node, why)  # writes into the input's own memory, as the op does
         for i, t in enumerate(vals):
             self.new_storage(t, node.name if len(vals) == 1 else f"{node.name}.{i}")
         lowering = LOWERINGS.get(node.target)

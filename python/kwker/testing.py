@@ -25,6 +25,11 @@ SMALL_CONFIGS = {
     # float x int64 slopes and baddbmm attention. Neither may fail a compile.
     "ministral3": ("Ministral3Config", {"head_dim": 16}),
     "bloom": ("BloomConfig", {}),
+    # Mixture of experts: top-2 routing, its sort and inverse permutation written
+    # in place, the experts' grouped matmuls (fallback steps of the plan).
+    "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    "qwen2_moe": ("Qwen2MoeConfig", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                     "shared_expert_intermediate_size": 64}),
 }
 
 # Shaped like the checkpoints the decode benchmark names (public configs).
@@ -44,6 +49,12 @@ BENCH_CONFIGS = {
         rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
                          "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                          "original_max_position_embeddings": 8192})),
+    # Mixtral's layout at a size that fits the machine (no public checkpoint is this small):
+    # 8 experts, 2 per token; 0.39 B parameters, 0.13 B of them read per token.
+    "Mixtral-8x2-small": ("MixtralConfig", dict(
+        vocab_size=32000, hidden_size=1024, intermediate_size=1536, num_hidden_layers=8,
+        num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=4096,
+        num_local_experts=8, num_experts_per_tok=2, rms_norm_eps=1e-5, rope_theta=1000000.0)),
 }
 
 

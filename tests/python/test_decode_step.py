@@ -274,3 +274,47 @@ def test_a_batch_past_onednns_crossover_runs_its_linears_there_with_eagers_token
     (plan,) = plans
     steps = plan.dump()
     assert steps.count("matmul_dnnl") == 2 * 2 + 1, steps  # o_proj, down_proj per layer, lm_head
+
+
+class _ScratchWrite(torch.nn.Module):
+    """x plus a scratch tensor with a one written at pos, the scratch made from x
+    (an intermediate) or from nothing (a constant once traced)."""
+
+    def __init__(self, from_input: bool):
+        super().__init__()
+        self.from_input = from_input
+
+    def forward(self, x, pos):
+        scratch = torch.zeros_like(x) if self.from_input else torch.zeros(x.shape[0])
+        scratch.index_fill_(0, pos, 1.0)
+        return x + scratch
+
+
+def test_an_intermediate_written_in_place_is_made_again_by_every_replay_and_a_constant_is_never_written():
+    from kwker.aten_graph import trace_to_aten
+    from kwker.lower import lower_to_plan
+
+    x, pos = torch.arange(8.0), torch.tensor([2])
+    plan, report = lower_to_plan(trace_to_aten(_ScratchWrite(True), [x, pos]), [x, pos], [])
+    assert "aten.index_fill_.int_Scalar" in report.fallback_ops
+    for p in (2, 5, 2):  # a stale scratch would keep the earlier calls' ones
+        (out,) = plan(x, torch.tensor([p]))
+        assert torch.equal(out, _ScratchWrite(True)(x, torch.tensor([p])))
+    with pytest.raises(_C.PlanError, match="writes constant"):
+        lower_to_plan(trace_to_aten(_ScratchWrite(False), [x, pos]), [x, pos], [])
+
+
+def test_a_step_that_writes_a_parameter_through_a_view_is_not_a_decode_step():
+    from kwker.aten_graph import trace_to_aten
+    from kwker.decode import classify_decode_step
+
+    def step(cache, weight, pos, k):
+        cache.index_copy_(0, pos, k)
+        weight.view(-1)[:2].mul_(2.0)  # the storage a view shares is the parameter's
+        return cache.sum()
+
+    inputs = [torch.zeros(4, 2), torch.nn.Parameter(torch.ones(2, 2), requires_grad=False), torch.tensor([1]),
+              torch.ones(1, 2)]
+    assert classify_decode_step(trace_to_aten(step, inputs), inputs) == "mul_ writes the parameter weight_1"
+    inputs[1] = torch.ones(2, 2)  # a plain input (a cache's counter, say) may be written
+    assert classify_decode_step(trace_to_aten(step, inputs), inputs) is None
