@@ -11,9 +11,11 @@ from kwker.aten_graph import trace_to_aten
 from kwker.decode import compile_decode_step
 from kwker.lower import NotLowerable
 from kwker.options import KwkerOptions, parse_options
+from kwker.plan import compile_plan, inputs_written
 from kwker.rewrite import rewrite_language_model
-from kwker.routing import route_graph
+from kwker.routing import route_graph, unfit_for_kernels
 from kwker.threads import warn_once_if_openmp_spins
+from kwker.tune import choose
 
 log = logging.getLogger(__name__)
 
@@ -32,9 +34,10 @@ def kwker_backend(gm: torch.fx.GraphModule, example_inputs, *, mode=None, option
 
 
 def compile_routed(path: str, gm, example_inputs, opts: KwkerOptions):
-    """A decode step is replayed; another CPU inference graph is stock Inductor's,
-    or its rewritten ATen graph run eagerly (inner="eager") or compiled by
-    Inductor (inner="inductor"); everything else goes to Inductor unchanged."""
+    """A decode step is replayed; another CPU inference graph is tuned (the
+    fastest of Inductor, eager and kwker's plan), or its rewritten ATen graph is
+    run eagerly (inner="eager") or compiled by Inductor (inner="inductor");
+    everything else goes to Inductor unchanged."""
     detail = {}
     if path == "decode" and opts.inner != "inductor":
         try:
@@ -44,6 +47,8 @@ def compile_routed(path: str, gm, example_inputs, opts: KwkerOptions):
         except (NotLowerable, _C.PlanError) as e:  # a PlanError here is a lowering bug: logged, never a failed compile
             detail["why"] = f"decode step not replayable: {e}"
             path = "cpu-inference"
+    if path == "cpu-inference" and opts.inner is None:
+        return tune_inference(gm, example_inputs, opts)
     if path in ("decode", "cpu-inference") and opts.inner is not None:
         aten_gm = trace_to_aten(gm, example_inputs)
         counts, _ = rewrite_language_model(aten_gm, glue=opts.glue)
@@ -51,10 +56,42 @@ def compile_routed(path: str, gm, example_inputs, opts: KwkerOptions):
         if opts.inner == "eager":
             return "eager", aten_gm, detail
         return "inductor", compile_with_inductor(aten_gm, example_inputs, opts), detail
-    # Until kwker's ops inside Inductor are timed against stock Inductor, the
-    # default for graphs that are not decode steps is stock Inductor: never slower.
     kind = "inductor-unchanged" if path == "inductor-unchanged" else "inductor"
     return kind, compile_with_inductor(gm, example_inputs, opts), detail
+
+
+def tune_inference(gm: torch.fx.GraphModule, example_inputs, opts: KwkerOptions):
+    """A CPU inference graph: stock Inductor, Dynamo's graph run eagerly and
+    kwker's plan (when the graph lowers), each timed on this call's inputs, the
+    fastest kept (kwker.tune). A graph that writes one of its inputs in place is
+    not run more than once: it goes to Inductor."""
+    why_not = None
+    try:
+        aten_gm = trace_to_aten(gm, example_inputs)
+        written = inputs_written(aten_gm, example_inputs)
+        if written:
+            why_not = f"{written[0][0].name} writes the input {written[0][1].name}: run once, not timed"
+    except Exception as e:  # what kwker's trace cannot follow, Inductor may
+        why_not = f"kwker's ATen trace failed ({type(e).__name__}: {e})"
+    if why_not:
+        return "inductor", compile_with_inductor(gm, example_inputs, opts), {"why": why_not}
+    plan_detail = {}
+
+    def build_plan():
+        unfit = unfit_for_kernels(gm, example_inputs)
+        if unfit:
+            raise NotLowerable(unfit)
+        plan, detail = compile_plan(gm, example_inputs, opts.glue, aten_gm=aten_gm)
+        plan_detail.update(detail)
+        return plan
+
+    builders = {"inductor": lambda: compile_with_inductor(gm, example_inputs, opts), "eager": lambda: gm,
+                "plan": build_plan}
+    choice = choose(builders, example_inputs, reference="inductor")
+    detail = {"candidates": choice.ms, "choice": choice.name, "left_out": choice.left_out}
+    if choice.name == "plan":
+        detail.update(plan_detail, plan=choice.fn)
+    return "tuned", choice.fn, detail
 
 
 def compile_with_inductor(gm: torch.fx.GraphModule, example_inputs, opts: KwkerOptions):

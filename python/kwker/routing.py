@@ -47,8 +47,8 @@ def route_graph(gm: torch.fx.GraphModule, example_inputs, grad_enabled: bool = F
     accelerators = sorted(graph_devices(gm, example_inputs) & ACCELERATOR_DEVICES)
     if accelerators:
         return Route("inductor-unchanged", f"tensors on {', '.join(accelerators)}: kwker's kernels are CPU-only")
-    if grad_enabled:
-        return Route("inductor", "a training graph (grad enabled): Inductor compiles it")
+    if grad_enabled and any(isinstance(x, torch.Tensor) and x.requires_grad for x in example_inputs):
+        return Route("inductor", "a training graph (grad enabled, an input requires grad): Inductor compiles it")
     dynamic = Route("inductor", "dynamic shapes: kwker's rewrites and plans need static shapes")
     if symbolic_tensor(example_inputs):
         return dynamic
@@ -90,7 +90,7 @@ def unfit_for_kernels(gm: torch.fx.GraphModule, example_inputs) -> str | None:
         if not node.users:
             continue
         if isinstance(x, torch.Tensor):
-            scalar = x.dim() == 0 and x.dtype == torch.float64  # a float of the model: decode.specialize_scalars
+            scalar = x.dim() == 0 and x.dtype == torch.float64  # a float of the model: plan.specialize_scalars
             if x.is_floating_point() and x.dtype not in KERNEL_FLOAT_DTYPES and not scalar:
                 return f"input {node.name} is {x.dtype}; kwker's kernels take float32 and bfloat16"
             if x.is_complex():

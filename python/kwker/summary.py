@@ -1,14 +1,16 @@
 """What kwker compiled in this process, which ``kwker.report()`` prints: each
-graph with its kind, the fallback ops in its plan and its compile seconds."""
+graph with its kind, the candidates timed and the one kept, the fallback ops in
+its plan and its compile seconds. ``graphs()`` gives the same as records."""
 
 import weakref
+from collections import Counter
 from dataclasses import dataclass, field
 
 
 @dataclass
 class GraphReport:
     index: int
-    kind: str  # "decode-replay", "eager", "inductor", "inductor-unchanged"
+    kind: str  # "decode-replay", "tuned", "eager", "inductor", "inductor-unchanged"
     nodes: int
     seconds: float
     reason: str
@@ -16,6 +18,9 @@ class GraphReport:
     fallback_ops: list[str] = field(default_factory=list)
     copies: int = 0  # weight copies kwker made and keeps fresh (kwker.weights)
     why: str = ""
+    candidates: dict[str, float] = field(default_factory=dict)  # a tuned graph's: ms per candidate timed
+    choice: str = ""  # the candidate kept
+    left_out: dict[str, str] = field(default_factory=dict)  # candidates not timed, and why
     plan: object = None  # a replayed graph's plan, weakly: its last_call timings while it lives
 
     def __post_init__(self):
@@ -44,10 +49,17 @@ def graphs() -> list[GraphReport]:
 
 
 def format_report() -> str:
-    lines = [f"{'graph':>5}  {'kind':<18} {'nodes':>5} {'compile s':>9}  fallback ops / why"]
+    lines = [f"{'graph':>5}  {'kind':<18} {'nodes':>5} {'compile s':>9}  candidates / fallback ops / why"]
     for g in _graphs:
-        extra = ", ".join(g.fallback_ops) if g.fallback_ops else g.why
-        lines.append(f"{g.index:>5}  {g.kind:<18} {g.nodes:>5} {g.seconds:>9.2f}  {extra}")
+        kind = f"{g.kind}: {g.choice}" if g.choice else g.kind
+        if g.candidates:
+            extra = ", ".join(f"{name} {ms:.3g} ms" for name, ms in g.candidates.items())
+            extra += "".join(f"; {name} left out: {why}" for name, why in g.left_out.items())
+        elif g.fallback_ops:
+            extra = ", ".join(f"{op} ×{n}" if n > 1 else op for op, n in Counter(g.fallback_ops).items())
+        else:
+            extra = g.why
+        lines.append(f"{g.index:>5}  {kind:<18} {g.nodes:>5} {g.seconds:>9.2f}  {extra}")
     return "\n".join(lines)
 
 

@@ -158,11 +158,11 @@ def test_kwker_logs_nothing_by_default():
 
 
 def test_a_graph_kwker_hands_to_inductor_gets_no_aten_trace_and_no_weight_copies(monkeypatch):
-    """Routing reads Dynamo's own graph: a graph that goes to stock Inductor (an
-    MLP, a float16 decode step, a prefill) is never traced to ATen, rewritten or
-    given weight copies by kwker."""
-    import kwker.decode
+    """Routing reads Dynamo's own graph: a graph that goes to stock Inductor (a
+    training step, a float16 decode step, a prefill) is never traced to ATen,
+    rewritten or given weight copies by kwker."""
     import kwker.dynamo_backend
+    import kwker.plan
     import kwker.weights
     from kwker import summary
     from kwker.testing import small_model
@@ -175,15 +175,14 @@ def test_a_graph_kwker_hands_to_inductor_gets_no_aten_trace_and_no_weight_copies
             return fn(*args, **kwargs)
         return wrapped
 
-    for module in (kwker.dynamo_backend, kwker.decode):
+    for module in (kwker.dynamo_backend, kwker.plan):
         monkeypatch.setattr(module, "trace_to_aten", spy("trace", module.trace_to_aten))
-    monkeypatch.setattr(kwker.decode, "WeightArena", spy("reserve", kwker.decode.WeightArena))
+    monkeypatch.setattr(kwker.plan, "WeightArena", spy("reserve", kwker.plan.WeightArena))
     monkeypatch.setattr(kwker.weights, "make_copy", spy("copy", kwker.weights.make_copy))
     summary.clear()
-    mlp = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 8)).eval()
+    mlp = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 8))
     x = torch.randn(2, 16)
-    with torch.no_grad():
-        torch.testing.assert_close(torch.compile(mlp, backend="kwker")(x), mlp(x))
+    torch.testing.assert_close(torch.compile(mlp, backend="kwker")(x), mlp(x))  # grad enabled: training
     model = small_model("llama", dtype=torch.float16)
     ids = torch.tensor([[3, 17, 42, 9]])
     out = model.generate(ids, max_new_tokens=3, do_sample=False, cache_implementation="static",

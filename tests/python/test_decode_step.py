@@ -92,14 +92,14 @@ def test_a_generate_with_another_cache_length_gets_a_replayed_step_of_its_own():
 def test_sizes_a_plan_cannot_be_compiled_for_run_dynamos_graph_eagerly_with_eagers_tokens(monkeypatch):
     import kwker.decode
 
-    compile_plan = kwker.decode.compile_plan
+    compile_decode_plan = kwker.decode.compile_decode_plan
 
     def refuse_72(gm, args, glue=True):
         if any(isinstance(a, torch.Tensor) and a.dim() == 4 and a.shape[2] == 72 for a in args):  # the cache
             raise kwker.lower.NotLowerable("refused by the test")
-        return compile_plan(gm, args, glue)
+        return compile_decode_plan(gm, args, glue)
 
-    monkeypatch.setattr(kwker.decode, "compile_plan", refuse_72)
+    monkeypatch.setattr(kwker.decode, "compile_decode_plan", refuse_72)
     model = llama()
     config = kwker.compile_config()
     for max_cache_len in (32, 48, 72, 80):  # each longer: generate() keeps a cache at least as long

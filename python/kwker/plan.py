@@ -1,0 +1,127 @@
+"""A plan for one of Dynamo's graphs: traced to ATen, rewritten (kwker's weight
+copies made there), lowered to native steps, and watched.
+
+The plan reads kwker's weight copies, and checks their sources before every
+call (kwker.weights): when one changed, the copies are packed again, or, when
+they cannot be made the same way, the whole graph is compiled again from
+Dynamo's graph with the call's arguments and the plan takes the new one over.
+A second model of the same class, for which Dynamo reuses the graph, has its
+weights packed into the same copies.
+"""
+
+import logging
+from collections.abc import Callable
+
+import torch
+
+from kwker.aten_graph import trace_to_aten
+from kwker.lower import NotLowerable, lower_to_plan, storage_key
+from kwker.rewrite import reserved_copy_bytes, rewrite_language_model
+from kwker.weights import CopiedWeights, WeightArena
+
+aten = torch.ops.aten
+log = logging.getLogger(__name__)
+
+# Why an ATen graph must not become a plan, or None (decode.classify_decode_step's use).
+Classify = Callable[[torch.fx.GraphModule, list], str | None]
+
+
+def compile_plan(gm: torch.fx.GraphModule, example_inputs, glue: bool = True, classify: Classify | None = None,
+                 aten_gm: torch.fx.GraphModule | None = None):
+    """The plan for gm with these inputs, every size a Python int, and what
+    compiling it did (rewrite counts, fallback ops, copies). Raises NotLowerable
+    with classify's reason, or when the lowering cannot express gm. aten_gm:
+    gm's ATen trace, when the caller has made it already (it is rewritten)."""
+    arena = WeightArena(reserved_copy_bytes(gm, example_inputs))  # faults in while the graph is traced
+    try:
+        aten_gm = aten_gm if aten_gm is not None else trace_to_aten(gm, example_inputs)
+        why_not = classify(aten_gm, example_inputs) if classify else None
+        if why_not:
+            raise NotLowerable(why_not)
+        placeholders = [n.name for n in aten_gm.graph.nodes if n.op == "placeholder"]
+        scalars = specialize_scalars(aten_gm, example_inputs)
+        params = {name: t for name, t in zip(placeholders, example_inputs) if isinstance(t, torch.nn.Parameter)}
+        counts, copies = rewrite_language_model(aten_gm, params, glue=glue, arena=arena)
+    finally:
+        arena.close()
+    plan, report = lower_to_plan(aten_gm, example_inputs, copies)
+    if copies or scalars:
+        refresh = _Refresh(CopiedWeights(copies, {name: i for i, name in enumerate(placeholders)}), scalars, gm, glue,
+                           classify)
+        plan.watch(refresh.sources, refresh)
+    detail = {"rewrites": {k: v for k, v in counts.items() if v}, "fallback_ops": report.fallback_ops,
+              "copies": len(copies)}
+    return plan, detail
+
+
+def inputs_written(aten_gm: torch.fx.GraphModule, example_inputs) -> list[tuple]:
+    """(the write, the input's placeholder, the input) for each in-place op of
+    the ATen graph that writes one of its tensor inputs. What a write reaches
+    is decided by storage: a view of an input is that input."""
+    placeholders = [n for n in aten_gm.graph.nodes if n.op == "placeholder"]
+    input_of_storage = {storage_key(n.meta["val"]): (n, x) for n, x in zip(placeholders, example_inputs)
+                        if isinstance(x, torch.Tensor)}
+    found = []
+    for n in aten_gm.graph.nodes:
+        if n.op == "call_function" and _mutates_first_arg(n):
+            written = input_of_storage.get(storage_key(n.args[0].meta["val"]))
+            if written:
+                found.append((n, *written))
+    return found
+
+
+def _mutates_first_arg(node) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    return bool(schema and schema.arguments and schema.arguments[0].alias_info and schema.arguments[0].alias_info.is_write)
+
+
+# ATen ops a float input may feed as their second operand: the float takes its place.
+_SCALAR_OPERAND = {aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor}
+
+
+def specialize_scalars(gm: torch.fx.GraphModule, example_inputs) -> list[tuple[int, float]]:
+    """A Python float of the model that Dynamo made an input (after a second
+    model gave it another value: an rms_norm_eps) reaches the graph as a 0-dim
+    float64 tensor. The plan is specialised on its value, which then fuses like
+    a constant, and the value is checked on every call: another value compiles
+    the graph again. Returns (argument index, value) for each; raises
+    NotLowerable for a float input used otherwise."""
+    specialized = []
+    for i, node in enumerate(n for n in gm.graph.nodes if n.op == "placeholder"):
+        x = example_inputs[i]
+        if not (isinstance(x, torch.Tensor) and x.dim() == 0 and x.dtype == torch.float64) or not node.users:
+            continue
+        value = float(x)
+        for user in list(node.users):
+            if user.target is aten._local_scalar_dense.default:  # .item(): a Python number from here on
+                user.replace_all_uses_with(value)
+                gm.graph.erase_node(user)
+            elif user.target in _SCALAR_OPERAND and user.args[1] is node and not user.kwargs:
+                user.args = (user.args[0], value, *user.args[2:])
+            else:
+                raise NotLowerable(f"the float input {node.name} feeds {user.target}")
+        specialized.append((i, value))
+    return specialized
+
+
+class _Refresh:
+    """What a plan calls when a source of its copies or a value it was
+    specialised on changed: the copies packed again (None), or the graph
+    compiled again for these arguments (a new Plan, which the plan takes over).
+    `sources` is the list the plan checks, kept up to date in place."""
+
+    def __init__(self, copied: CopiedWeights, scalars: list[tuple[int, float]], gm: torch.fx.GraphModule,
+                 glue: bool, classify: Classify | None):
+        self.copied, self.scalars, self.gm, self.glue, self.classify = copied, scalars, gm, glue, classify
+        self.sources = copied.watched() + scalars
+
+    def __call__(self, args):
+        same_values = all(float(args[i]) == value for i, value in self.scalars)
+        if same_values and self.copied.refresh(args):
+            self.sources[:] = self.copied.watched() + self.scalars
+            log.debug("plan: weight copies packed again")
+            return None
+        log.info("plan: %s; compiling the graph again",
+                 "a weight can no longer be copied the same way" if same_values else "a float input changed")
+        plan, _ = compile_plan(self.gm, list(args), self.glue, self.classify)
+        return plan
