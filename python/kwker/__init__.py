@@ -5,7 +5,10 @@ torch finds the backend through the ``torch_dynamo_backends`` entry point, so
 the same function, for ``torch.compile(model, backend=kwker.backend)``.
 """
 
-__all__ = ["backend", "compile_config", "report"]
+from importlib.metadata import version as _version
+
+__all__ = ["__version__", "backend", "compile_config", "report"]
+__version__ = _version("kwker")
 
 
 def compile_config(**kwargs):

@@ -191,3 +191,9 @@ def test_a_graph_kwker_hands_to_inductor_gets_no_aten_trace_and_no_weight_copies
     kinds = [g.kind for g in summary.graphs()]
     assert kinds and set(kinds) == {"inductor"}, kwker.report()
     assert work == []
+
+
+def test_the_version_is_the_installed_distributions():
+    from importlib.metadata import version
+
+    assert kwker.__version__ == version("kwker") and kwker.__version__.count(".") >= 2
