@@ -25,9 +25,12 @@ MARGIN = 0.97
 # Rounds of timing: at least MIN_ROUNDS; more, up to MAX_ROUNDS, while under BUDGET_S seconds.
 MIN_ROUNDS, MAX_ROUNDS, BUDGET_S = 3, 15, 1.0
 
-# How far a candidate's outputs may be from the reference's, by dtype (rtol, atol):
-# the same computation summed in another order, not another computation.
-TOLERANCE = {torch.float32: (1e-3, 1e-4), torch.bfloat16: (3e-2, 3e-2), torch.float16: (1e-2, 1e-2)}
+# How far a candidate's floating outputs may be from the reference's, by dtype, as
+# the relative L2 distance ‖out − ref‖ / ‖ref‖: the same computation summed in
+# another order (measured: 2e-6 for ResNet-50 in float32, whose elements differ by
+# up to 6e-4 between Inductor and eager), not another computation (a stale or
+# wrong weight is off by a share of one).
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 5e-3}
 
 
 @dataclass
@@ -99,8 +102,13 @@ def _differs(out: list, ref: list) -> str | None:
             if not torch.equal(a, b):
                 return f"output {i} differs from the reference's"
             continue
-        rtol, atol = TOLERANCE.get(b.dtype, (1e-5, 1e-6))
-        if not torch.allclose(a, b, rtol=rtol, atol=atol, equal_nan=True):
-            worst = float((a.float() - b.float()).abs().max())
-            return f"output {i} differs from the reference's by up to {worst:.3g}"
+        a64, b64 = a.double(), b.double()
+        finite = b64.isfinite()
+        infinite = b64.isinf()
+        if not torch.equal(a64.isnan(), b64.isnan()) or not torch.equal(a64[infinite], b64[infinite]) \
+                or not a64[finite].isfinite().all():
+            return f"output {i} has NaN or infinities where the reference's has not, or the other way"
+        distance = float((a64[finite] - b64[finite]).norm() / b64[finite].norm().clamp_min(1e-30))
+        if distance > TOLERANCE.get(b.dtype, 1e-6):
+            return f"output {i} differs from the reference's by {distance:.3g} (relative L2)"
     return None

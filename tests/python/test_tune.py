@@ -41,7 +41,7 @@ def test_a_candidate_that_fails_or_gives_other_outputs_is_left_out_with_the_reas
     choice = choose({"ref": taking(0.01, x), "wrong": taking(0.0, x + 1e-2), "broken": broken,
                      "shape": taking(0.0, torch.ones(4))}, [], "ref")
     assert choice.name == "ref"
-    assert "differs from the reference's by up to 0.01" in choice.left_out["wrong"]
+    assert "differs from the reference's by 0.01 (relative L2)" in choice.left_out["wrong"]
     assert choice.left_out["broken"] == "RuntimeError: cannot build"
     assert "not a tensor like the reference's" in choice.left_out["shape"]
     with pytest.raises(RuntimeError, match="cannot build"):
@@ -97,3 +97,13 @@ def test_a_graph_that_writes_its_input_runs_once_per_call_as_in_eager():
     assert torch.equal(out, bump(ref)) and torch.equal(x, ref)  # the input written once, as eager does
     (graph,) = summary.graphs()
     assert graph.kind == "inductor" and "writes the input" in graph.why, kwker.report()
+
+
+def test_outputs_agree_by_relative_distance_with_nan_and_infinities_in_the_same_places():
+    from kwker.tune import _differs
+
+    inf, nan = float("inf"), float("nan")
+    ref = [torch.tensor([1.0, inf, nan, 1e-3])]
+    assert _differs([torch.tensor([1.00001, inf, nan, 1.05e-3])], ref) is None  # a tiny element 5 % off
+    for other in ([1.0, -inf, nan, 1e-3], [1.0, inf, 2.0, 1e-3], [inf, inf, nan, 1e-3], [1.1, inf, nan, 1e-3]):
+        assert _differs([torch.tensor(other)], ref) is not None, other
