@@ -15,7 +15,8 @@
  * barrier_us     per op: an empty kernel and a barrier, at 1 and all threads.
  * attention_us   decode attention, Llama-3.2-1B heads (32 q, 8 kv, D 64, bf16),
  *                128 valid positions in caches of S = 256 and S = 4096.
- * dnnl_crossover linear vs matmul_dnnl over one layer's gate/up/down for M rows.
+ * dnnl_crossover linear vs matmul_dnnl over one layer's gate/up/down for M rows:
+ *                f32, f32 x with linear on a bf16 copy (dnnl on f32), and bf16.
  * ops_us         other decode-sized ops, each with its barrier.
  * Every time is the median over repeats. Progress goes to stderr. */
 #define _GNU_SOURCE
@@ -379,7 +380,9 @@ static void mm_task(void *arg, int ith, int nth) {
     }
 }
 
-static void crossover(kw_pool *pool, kw_dtype dt, const weights *w, FILE *out) {
+/* linear over weights of dtype lin_wt (a bf16 copy of bf16-valued f32 weights
+ * under f32 x) against matmul_dnnl over weights of x's dtype dt. */
+static void crossover(kw_pool *pool, kw_dtype dt, kw_dtype lin_wt, const char *key, const weights *w, FILE *out) {
     static const int64_t Ms[] = {1, 2, 4, 8, 16, 32, 64, 128};
     const int nm = g_quick ? 6 : 8;
     const shape sh[3] = {{8192, 2048}, {8192, 2048}, {2048, 8192}};
@@ -398,8 +401,9 @@ static void crossover(kw_pool *pool, kw_dtype dt, const weights *w, FILE *out) {
             c->t[2] = tensor2(p, dt, sh[i].n, sh[i].k);
             check_call(KW_OP_MATMUL_DNNL, c);
             packed[i] = *c;
+            packed[i].t[2].dtype = lin_wt;
             const int64_t B = kw_linear_block(sh[i].k);
-            if (B) packed[i].t[2] = (kw_tensor){p, dt, 3, {sh[i].k / B, sh[i].n, B}, {sh[i].n * B, B, 1}};
+            if (B) packed[i].t[2] = (kw_tensor){p, lin_wt, 3, {sh[i].k / B, sh[i].n, B}, {sh[i].n * B, B, 1}};
             check_call(KW_OP_LINEAR, &packed[i]);
             p += (size_t)(sh[i].n * sh[i].k) * kw_dtype_size(dt);
             const size_t s = work_of(KW_OP_LINEAR, &packed[i]);
@@ -417,9 +421,9 @@ static void crossover(kw_pool *pool, kw_dtype dt, const weights *w, FILE *out) {
         if (work) kw_mem_free(work, ws * (size_t)kw_pool_size(pool));
         if (dnn[mi] < lin[mi] && cross < 0) cross = M;
         if (dnn[mi] >= lin[mi]) cross = -1; /* the crossover is where dnnl stays ahead */
-        fprintf(stderr, "  %s M=%lld: linear %.0f us, dnnl %.0f us\n", kw_dtype_name(dt), (long long)M, lin[mi], dnn[mi]);
+        fprintf(stderr, "  %s M=%lld: linear %.0f us, dnnl %.0f us\n", key, (long long)M, lin[mi], dnn[mi]);
     }
-    fprintf(out, "\"%s\": {\"M\": [", kw_dtype_name(dt));
+    fprintf(out, "\"%s\": {\"M\": [", key);
     for (int i = 0; i < nm; i++) fprintf(out, "%s%lld", i ? ", " : "", (long long)Ms[i]);
     fprintf(out, "], \"linear_us\": [");
     for (int i = 0; i < nm; i++) fprintf(out, "%s%.1f", i ? ", " : "", lin[i]);
@@ -535,9 +539,11 @@ int main(int argc, char **argv) {
 
     fprintf(stderr, "linear vs matmul_dnnl...\n");
     fprintf(out, ", \"dnnl_crossover\": {");
-    crossover(pool, KW_F32, &w, out);
+    crossover(pool, KW_F32, KW_F32, "f32", &w, out);
     fprintf(out, ", ");
-    crossover(pool, KW_BF16, &w, out);
+    crossover(pool, KW_F32, KW_BF16, "f32 x, bf16 copy", &w, out);
+    fprintf(out, ", ");
+    crossover(pool, KW_BF16, KW_BF16, "bf16", &w, out);
     fprintf(out, "}}\n");
 
     kw_mem_free(w.mem, w.bytes);

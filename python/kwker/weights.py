@@ -1,8 +1,10 @@
 """How a replayed plan stores the weights its linears read, decided once per
 linear, and how its copies are kept equal to the model's weights.
 
-A weight is read as stored (the model's own tensor, bound on every call) unless
-a copy reads fewer bytes or fewer calls:
+A weight is read as stored (the model's own tensor, bound on every call) when
+its linear has rows enough for oneDNN's matmul to be faster (DNNL_MIN_ROWS: the
+product is then compute-bound, and oneDNN has no float32 × bfloat16 matmul),
+and otherwise unless a copy reads fewer bytes or fewer calls:
 - a float32 weight whose every value is exactly a bfloat16 value (a bf16
   checkpoint loaded in float32) gets a bfloat16 copy: exact, half the bytes;
 - linears that read the same input (q/k/v, gate/up) get one copy of their
@@ -52,11 +54,27 @@ def copy_dtype(weights: list[torch.Tensor]) -> torch.dtype:
     return torch.bfloat16 if to_bf16 else weights[0].dtype
 
 
-def decide(weights: list[torch.Tensor]) -> Storage | None:
+# From these rows per call (kw_ops.h's KW_DNNL_MIN_M_*), by the input's dtype,
+# oneDNN's matmul measured faster than kwker's linear; for float32 weights
+# kwker would read as a bfloat16 copy, from DNNL_MIN_ROWS_OVER_BF16_COPY.
+_P = _C.op_params()
+DNNL_MIN_ROWS = {torch.float32: _P["DNNL_MIN_M_F32"], torch.bfloat16: _P["DNNL_MIN_M_BF16"]}
+DNNL_MIN_ROWS_OVER_BF16_COPY = _P["DNNL_MIN_M_F32_BF16_COPY"]
+
+
+def by_matmul(dtype: torch.dtype, rows: int) -> bool:
+    """Whether a linear of these rows over an input and weight of this dtype is oneDNN's."""
+    return rows >= DNNL_MIN_ROWS.get(dtype, rows + 1)
+
+
+def decide(weights: list[torch.Tensor], rows: int) -> Storage | None:
     """The storage for the weights of linears that share an input (one weight
-    when none does), or None: read as stored."""
+    when none does) of `rows` rows per call, or None: each read as stored."""
     dtype = copy_dtype(weights)
-    if len(weights) == 1 and dtype == weights[0].dtype:
+    as_stored = dtype == weights[0].dtype
+    if rows >= (DNNL_MIN_ROWS.get(dtype, rows + 1) if as_stored else DNNL_MIN_ROWS_OVER_BF16_COPY):
+        return None
+    if len(weights) == 1 and as_stored:
         return None
     return Storage(dtype, _C.linear_block(weights[0].shape[1]) if weights[0].dim() == 2 else 0)
 
@@ -66,9 +84,9 @@ def bias_storage(biases: list[torch.Tensor]) -> Storage:
     return Storage(biases[0].dtype, 0)
 
 
-def copy_bytes(weights: list[torch.Tensor], biases: list[torch.Tensor]) -> int:
+def copy_bytes(weights: list[torch.Tensor], biases: list[torch.Tensor], rows: int) -> int:
     """What decide() will copy for a group, for the memory reserved up front."""
-    storage = decide(weights)
+    storage = decide(weights, rows)
     if storage is None:
         return 0
     nbytes = sum(w.numel() for w in weights) * storage.dtype.itemsize + 64

@@ -39,6 +39,7 @@ static PyObject *op_params(PyObject *self, PyObject *unused) {
         {"GELU_TANH", KW_GELU_TANH},
         {"DNNL_MIN_M_F32", KW_DNNL_MIN_M_F32},
         {"DNNL_MIN_M_BF16", KW_DNNL_MIN_M_BF16},
+        {"DNNL_MIN_M_F32_BF16_COPY", KW_DNNL_MIN_M_F32_BF16_COPY},
 #define KW__BINARY_ENTRY(id, name) {"BINARY_" #id, KW_BINARY_##id},
         KW_BINARY_OPS(KW__BINARY_ENTRY)
 #undef KW__BINARY_ENTRY
