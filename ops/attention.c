@@ -1,6 +1,7 @@
-/* attention: one decode step of scaled dot-product attention over a static KV
+/* attention: scaled dot-product attention of L query positions over a static KV
  * cache, F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask,
- * scale=scale, enable_gqa=True) for q of one position.
+ * scale=scale, enable_gqa=True): one position in a decode step, several in a
+ * prefill chunk or a verify step, whose causality the mask carries.
  *
  * Query head h reads cache head h / (Hq / Hkv) in place: no K/V is copied per
  * head (HF's repeat_kv). Only positions the mask keeps are read (bool mask: true;
@@ -9,18 +10,18 @@
  * subtracted, all in f32, as PyTorch's CPU flash attention computes them; like
  * it, the probabilities are rounded to the cache's dtype before they multiply V
  * (their sum is not), and the output is Σ p·v times 1 / Σ p, rounded once to its
- * dtype. A row with no valid position gives zeros. Threads split the B·Hq query heads; heads sharing a
- * cache head are done together so each K/V row is read once per thread. */
+ * dtype. A row with no valid position gives zeros. Threads split the B·L·Hq query
+ * rows; heads sharing a cache head are done together so each K/V row is read
+ * once per thread. */
 #include "attention.h"
 
 static int attention_prepare(const kw_call *c, kw_isa isa, void *prep, char *msg, size_t len) {
     const kw_tensor *o = &c->t[0], *q = &c->t[1], *k = &c->t[2], *v = &c->t[3], *m = &c->t[4];
     kw__attn *a = prep;
-    if (!kw__present(q) || !kw__is_float(q->dtype) || q->ndim != 4 || q->shape[2] != 1 ||
-        (q->shape[3] > 1 && q->stride[3] != 1))
-        return kw__fail(msg, len, KW_ESHAPE, "attention: q must be float32 or bfloat16 [B, Hq, 1, D] with contiguous D (got %s)",
+    if (!kw__present(q) || !kw__is_float(q->dtype) || q->ndim != 4 || (q->shape[3] > 1 && q->stride[3] != 1))
+        return kw__fail(msg, len, KW_ESHAPE, "attention: q must be float32 or bfloat16 [B, Hq, L, D] with contiguous D (got %s)",
                         kw__shape(q).s);
-    a->B = q->shape[0], a->Hq = q->shape[1], a->D = q->shape[3];
+    a->B = q->shape[0], a->Hq = q->shape[1], a->L = q->shape[2], a->D = q->shape[3];
     if (!kw__present(k) || !kw__is_float(k->dtype) || k->ndim != 4 || k->shape[0] != a->B || k->shape[3] != a->D ||
         k->shape[1] < 1 || a->Hq % k->shape[1] || (a->D > 1 && k->stride[3] != 1))
         return kw__fail(msg, len, KW_ESHAPE,
@@ -33,41 +34,42 @@ static int attention_prepare(const kw_call *c, kw_isa isa, void *prep, char *msg
                         kw__shape(k).s, kw__shape(v).s);
     a->Dv = v->shape[3];
     if (!kw__present(o) || o->dtype != q->dtype || o->ndim != 4 || o->shape[0] != a->B || o->shape[1] != a->Hq ||
-        o->shape[2] != 1 || o->shape[3] != a->Dv || (a->Dv > 1 && o->stride[3] != 1))
-        return kw__fail(msg, len, KW_ESHAPE, "attention: out must be %s [B, Hq, 1, Dv] = [%lld, %lld, 1, %lld] (got %s)",
-                        kw_dtype_name(q->dtype), (long long)a->B, (long long)a->Hq, (long long)a->Dv, kw__shape(o).s);
+        o->shape[2] != a->L || o->shape[3] != a->Dv || (a->Dv > 1 && o->stride[3] != 1))
+        return kw__fail(msg, len, KW_ESHAPE, "attention: out must be %s [B, Hq, L, Dv] = [%lld, %lld, %lld, %lld] (got %s)",
+                        kw_dtype_name(q->dtype), (long long)a->B, (long long)a->Hq, (long long)a->L, (long long)a->Dv,
+                        kw__shape(o).s);
     if (kw__present(m)) {
         if ((m->dtype != KW_BOOL && !kw__is_float(m->dtype)) || m->ndim != 4 || (m->shape[0] != a->B && m->shape[0] != 1) ||
-            m->shape[1] != 1 || m->shape[2] != 1 || m->shape[3] != a->S || (a->S > 1 && m->stride[3] != 1))
+            m->shape[1] != 1 || (m->shape[2] != a->L && m->shape[2] != 1) || m->shape[3] != a->S ||
+            (a->S > 1 && m->stride[3] != 1))
             return kw__fail(msg, len, KW_ESHAPE,
-                            "attention: mask must be bool, float32 or bfloat16 [B or 1, 1, 1, S = %lld] with contiguous S (got %s)",
-                            (long long)a->S, kw__shape(m).s);
-        a->mt = m->dtype, a->ms = m->shape[0] == 1 ? 0 : m->stride[0];
+                            "attention: mask must be bool, float32 or bfloat16 [B or 1, 1, L = %lld or 1, S = %lld] with "
+                            "contiguous S (got %s)", (long long)a->L, (long long)a->S, kw__shape(m).s);
+        a->mt = m->dtype, a->ms = m->shape[0] == 1 ? 0 : m->stride[0], a->ml = m->shape[2] == 1 ? 0 : m->stride[2];
     }
     a->ot = o->dtype, a->qt = q->dtype, a->kt = k->dtype, a->vt = v->dtype;
-    for (int d = 0; d < 2; d++) a->os[d] = o->stride[d], a->qs[d] = q->stride[d];
+    for (int d = 0; d < 3; d++) a->os[d] = o->stride[d], a->qs[d] = q->stride[d];
     for (int d = 0; d < 3; d++) a->ks[d] = k->stride[d], a->vs[d] = v->stride[d];
     a->scale = (float)c->fp[0];
     a->run = KW__PICK(kw__attention_heads, isa);
     return 0;
 }
 
-static int64_t scan_scalar(const kw__attn *a, int64_t b, int32_t *pos) {
-    const char *mrow = kw__attn_mask_row(a, b);
+static int64_t scan_scalar(const char *mrow, const kw__attn *a, int32_t *pos) {
     int64_t n = 0;
     for (int64_t s = 0; s < a->S; s++)
         if (!mrow || kw__attn_keep(a, mrow, s)) pos[n++] = (int32_t)s;
     return n;
 }
 
-void kw__attention_heads_scalar(const kw__attn *a, int64_t h0, int64_t h1, void *work) {
+void kw__attention_heads_scalar(const kw__attn *a, int64_t u0, int64_t u1, void *work) {
     const kw__attn_scratch w = kw__attn_carve(a, work);
-    int64_t cur_b = -1, n = 0;
-    for (int64_t bh = h0; bh < h1; bh++) {
-        const int64_t b = bh / a->Hq, h = bh % a->Hq, kh = h / a->G;
-        if (b != cur_b) n = scan_scalar(a, b, w.pos), cur_b = b;
-        const char *mrow = kw__attn_mask_row(a, b);
-        const int64_t qo = b * a->qs[0] + h * a->qs[1], oo = b * a->os[0] + h * a->os[1];
+    int64_t cur_row = -1, n = 0;
+    for (int64_t u = u0; u < u1; u++) {
+        const int64_t row = u / a->Hq, b = row / a->L, i = row % a->L, h = u % a->Hq, kh = h / a->G;
+        const char *mrow = kw__attn_mask_row(a, b, i);
+        if (row != cur_row) n = scan_scalar(mrow, a, w.pos), cur_row = row;
+        const int64_t qo = b * a->qs[0] + h * a->qs[1] + i * a->qs[2], oo = b * a->os[0] + h * a->os[1] + i * a->os[2];
         float m = -INFINITY, sum = 0.0f;
         for (int64_t j = 0; j < n; j++) {
             const int64_t ko = b * a->ks[0] + kh * a->ks[1] + w.pos[j] * a->ks[2];
@@ -93,14 +95,14 @@ static size_t attention_work(const void *prep) { return kw__attn_work_size(prep)
 
 static void attention_kernel(const kw_call *c, int ith, int nth) {
     kw__attn a = *(const kw__attn *)c->prep;
-    int64_t h0, h1;
+    int64_t u0, u1;
     a.o = c->t[0].data, a.q = c->t[1].data, a.k = c->t[2].data, a.v = c->t[3].data, a.mask = c->t[4].data;
-    kw__split(a.B * a.Hq, 1, ith, nth, &h0, &h1);
-    if (h0 < h1) a.run(&a, h0, h1, kw__work(c, ith));
+    kw__split(a.B * a.L * a.Hq, 1, ith, nth, &u0, &u1);
+    if (u0 < u1) a.run(&a, u0, u1, kw__work(c, ith));
 }
 
-/* Slots out [B, Hq, 1, Dv], q [B, Hq, 1, D], k_cache [B, Hkv, S, D],
- * v_cache [B, Hkv, S, Dv], mask [B or 1, 1, 1, S] (optional; bool or additive);
+/* Slots out [B, Hq, L, Dv], q [B, Hq, L, D], k_cache [B, Hkv, S, D],
+ * v_cache [B, Hkv, S, Dv], mask [B or 1, 1, L or 1, S] (optional; bool or additive);
  * fp[0] scale. */
 const kw_op_info kw_op_info_attention = {
     .name = "attention",

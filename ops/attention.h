@@ -1,21 +1,22 @@
-/* attention.h — private to attention (decode attention over a static KV cache):
- * a prepared call as a struct, filled once by attention.c and run over a range
- * of query heads by the ISA variant prepare picked. */
+/* attention.h — private to attention (attention of L query positions over a
+ * static KV cache): a prepared call as a struct, filled once by attention.c and
+ * run over a range of query rows by the ISA variant prepare picked. */
 #ifndef KW_ATTENTION_H
 #define KW_ATTENTION_H
 
 #include "kw_ops_impl.h"
 
 typedef struct kw__attn kw__attn;
-typedef void (*kw__attn_fn)(const kw__attn *a, int64_t h0, int64_t h1, void *work);
+typedef void (*kw__attn_fn)(const kw__attn *a, int64_t u0, int64_t u1, void *work);
 
+/* A unit of work is one query head at one position: u = (b · L + i) · Hq + h. */
 struct kw__attn {
-    int64_t B, Hq, Hkv, G, S, D, Dv; /* G = Hq / Hkv query heads per cache head */
+    int64_t B, Hq, L, Hkv, G, S, D, Dv; /* G = Hq / Hkv query heads per cache head */
     char *o;
     const char *q, *k, *v, *mask; /* mask NULL: every position is valid */
-    int64_t os[2], qs[2];         /* strides of B and H */
+    int64_t os[3], qs[3];         /* strides of B, H and L */
     int64_t ks[3], vs[3];         /* strides of B, H and S */
-    int64_t ms;                   /* stride of the mask's B (0 when broadcast) */
+    int64_t ms, ml;               /* strides of the mask's B and L (0 when broadcast) */
     kw_dtype ot, qt, kt, vt, mt;
     float scale;
     kw__attn_fn run;
@@ -58,10 +59,11 @@ static inline float kw__attn_bias(const kw__attn *a, const char *mrow, int64_t s
     return a->mask && a->mt != KW_BOOL ? kw__ldf(mrow, s, a->mt) : 0.0f;
 }
 
-static inline const char *kw__attn_mask_row(const kw__attn *a, int64_t b) {
-    return a->mask ? a->mask + (size_t)(b * a->ms) * kw_dtype_size(a->mt) : NULL;
+/* The mask row of query position i of batch b. */
+static inline const char *kw__attn_mask_row(const kw__attn *a, int64_t b, int64_t i) {
+    return a->mask ? a->mask + (size_t)(b * a->ms + i * a->ml) * kw_dtype_size(a->mt) : NULL;
 }
 
-KW__VARIANTS(void, kw__attention_heads, (const kw__attn *a, int64_t h0, int64_t h1, void *work))
+KW__VARIANTS(void, kw__attention_heads, (const kw__attn *a, int64_t u0, int64_t u1, void *work))
 
 #endif

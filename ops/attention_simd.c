@@ -1,7 +1,7 @@
-/* Decode attention over simd.h, built once per vector ISA (see KW__VARIANTS).
- * Same arithmetic as the scalar reference in attention.c. A thread's query heads
- * are consecutive, so the heads that share a cache head follow each other and
- * find its valid K/V rows in cache. */
+/* Attention over a static KV cache on simd.h, built once per vector ISA (see
+ * KW__VARIANTS). Same arithmetic as the scalar reference in attention.c. A
+ * thread's query heads are consecutive, so the heads that share a cache head
+ * follow each other and find its valid K/V rows in cache. */
 #include "attention.h"
 #include "simd.h"
 
@@ -13,8 +13,7 @@ static inline void append_bits(int32_t *pos, int64_t *n, int64_t base, uint32_t 
 }
 
 /* The positions the mask keeps, 32 bool bytes or KW_VW floats per compare. */
-static int64_t scan(const kw__attn *a, int64_t b, int32_t *pos) {
-    const char *mrow = kw__attn_mask_row(a, b);
+static int64_t scan(const char *mrow, const kw__attn *a, int32_t *pos) {
     int64_t n = 0, s = 0;
     if (!mrow) {
         for (; s < a->S; s++) pos[s] = (int32_t)s;
@@ -128,23 +127,27 @@ static void pv_head(const kw__attn *a, const char *v, const int32_t *pos, int64_
     }
 }
 
-/* Query head h of batch b over the n valid positions in pos. */
-static void head(const kw__attn *a, const kw__attn_scratch *w, int64_t b, int64_t h, int64_t n) {
-    const int64_t kh = h / a->G, qo = b * a->qs[0] + h * a->qs[1], oo = b * a->os[0] + h * a->os[1];
+/* Query head h at position i of batch b over the n valid positions in pos,
+ * which the mask row mrow keeps. */
+static void head(const kw__attn *a, const kw__attn_scratch *w, const char *mrow, int64_t b, int64_t i, int64_t h,
+                 int64_t n) {
+    const int64_t kh = h / a->G;
+    const int64_t qo = b * a->qs[0] + h * a->qs[1] + i * a->qs[2], oo = b * a->os[0] + h * a->os[1] + i * a->os[2];
     const char *k = a->k + (size_t)(b * a->ks[0] + kh * a->ks[1]) * kw_dtype_size(a->kt);
     const char *v = a->v + (size_t)(b * a->vs[0] + kh * a->vs[1]) * kw_dtype_size(a->vt);
     for (int64_t d = 0; d < a->D; d++) w->qf[d] = kw__ldf(a->q, qo + d, a->qt);
-    scores_head(a, k, w->pos, n, w->qf, kw__attn_mask_row(a, b), w->scores);
+    scores_head(a, k, w->pos, n, w->qf, mrow, w->scores);
     const float sum = softmax_unnormalised(w->scores, n, a->vt);
     pv_head(a, v, w->pos, n, w->scores, n ? 1.0f / sum : 0.0f, oo);
 }
 
-void KW__ISA_NAME(kw__attention_heads)(const kw__attn *a, int64_t h0, int64_t h1, void *work) {
+void KW__ISA_NAME(kw__attention_heads)(const kw__attn *a, int64_t u0, int64_t u1, void *work) {
     const kw__attn_scratch w = kw__attn_carve(a, work);
-    int64_t cur_b = -1, n = 0;
-    for (int64_t bh = h0; bh < h1; bh++) {
-        const int64_t b = bh / a->Hq;
-        if (b != cur_b) n = scan(a, b, w.pos), cur_b = b;
-        head(a, &w, b, bh % a->Hq, n);
+    int64_t cur_row = -1, n = 0;
+    for (int64_t u = u0; u < u1; u++) {
+        const int64_t row = u / a->Hq, b = row / a->L, i = row % a->L;
+        const char *mrow = kw__attn_mask_row(a, b, i);
+        if (row != cur_row) n = scan(mrow, a, w.pos), cur_row = row;
+        head(a, &w, mrow, b, i, u % a->Hq, n);
     }
 }

@@ -2,8 +2,10 @@
 
 A decode step is a CPU inference graph that writes non-parameter inputs in
 place (the cache's index_copy_ and the counter's add_ of transformers'
-StaticCache) at one query position; it may write its own intermediates in
-place too (MoE routing's inverse permutation), never a parameter. routing.py
+StaticCache): at one query position for a token, at several for a chunk of a
+chunked prefill or a verify step of prompt lookup and assisted decoding. It may
+write its own intermediates in place too (MoE routing's inverse permutation),
+never a parameter. routing.py
 recognises the candidates on Dynamo's graph, before anything is traced;
 classify_decode_step checks the ATen trace. The step is lowered to a plan
 (kwker.plan, which keeps its weight copies fresh) and never given to Inductor.
@@ -31,10 +33,6 @@ def classify_decode_step(gm: torch.fx.GraphModule, example_inputs) -> str | None
     for write, written, x in inputs_written(gm, example_inputs):
         if isinstance(x, torch.nn.Parameter):
             return f"{write.name} writes the parameter {written.name}"
-    for n in cache_writes:
-        dim, src = n.args[1], n.args[3]
-        if src.meta["val"].shape[dim] != 1:
-            return f"{n.name} writes {src.meta['val'].shape[dim]} positions (prefill, not decode)"
     return None
 
 
@@ -49,9 +47,9 @@ def compile_decode_step(gm: torch.fx.GraphModule, example_inputs, glue: bool = T
     return compile_decode_plan(gm, example_inputs, glue)
 
 
-def compile_decode_plan(gm: torch.fx.GraphModule, example_inputs, glue: bool = True):
+def compile_decode_plan(gm: torch.fx.GraphModule, example_inputs, glue: bool = True, kept: dict | None = None):
     """The plan of a decode step whose sizes are all Python ints."""
-    return compile_plan(gm, example_inputs, glue, classify=_not_a_decode_step)
+    return compile_plan(gm, example_inputs, glue, classify=_not_a_decode_step, kept=kept)
 
 
 def _not_a_decode_step(aten_gm, example_inputs) -> str | None:
@@ -60,41 +58,54 @@ def _not_a_decode_step(aten_gm, example_inputs) -> str | None:
 
 
 class StepPerSizes:
-    """A decode step whose sizes Dynamo made inputs: under its automatic dynamic
-    shapes, a second generate() with another cache length compiles the step
-    again with that length as a SymInt input. Each call's sizes get a plan of
-    their own, compiled on the first call with them; the step keeps only the
-    latest plan, dropped before the next is compiled, so that memory holds one
-    set of weight copies. A plan's own checks still see every input's layout.
-    When a plan cannot be compiled for some sizes, those calls run Dynamo's
-    graph eagerly, logged: slow, never wrong."""
+    """A decode step whose sizes Dynamo made inputs, under its automatic dynamic
+    shapes: a second generate() with another cache length, the chunks of a
+    chunked prefill (their count of positions, the mask's length), the verify
+    steps of prompt lookup (their count of candidates). Each call's sizes get a
+    plan of their own, compiled on the first call with them; the MAX_PLANS
+    most recently used are kept, and every plan reads the weight copies the
+    others made of the same sources the same way (WeightArena.kept), so that
+    memory holds one copy of each weight for all sizes. A plan's own checks
+    still see every input's layout. When a plan cannot be compiled for some
+    sizes, those calls run Dynamo's graph eagerly, logged: slow, never wrong."""
+
+    MAX_PLANS = 8
 
     def __init__(self, gm: torch.fx.GraphModule, example_inputs, glue: bool):
         self.gm, self.glue = gm, glue
         self.sizes = [i for i, x in enumerate(example_inputs) if isinstance(x, torch.SymInt)]
+        self.kept: dict = {}
         # The hints, not int(): that would add a guard and specialise Dynamo's graph.
         args = [optimization_hint(x) if isinstance(x, torch.SymInt) else x for x in example_inputs]
-        self.plan, self.detail = compile_decode_plan(gm, args, glue)
-        self.key = tuple(args[i] for i in self.sizes)
+        plan, self.detail = compile_decode_plan(gm, args, glue, self.kept)
+        self.plans = {tuple(args[i] for i in self.sizes): plan}  # in order of use, the latest last
+        self.last = plan
         self.lock = threading.Lock()  # a call compiling a plan must not drop the one another thread replays
 
     def __call__(self, *args):
         key = tuple(args[i] for i in self.sizes)
         with self.lock:
-            if key != self.key:
-                self.plan = self.key = None
-                try:
-                    self.plan, _ = compile_decode_plan(self.gm, list(args), self.glue)
-                    log.info("decode step: a plan for sizes %s", key)
-                except (NotLowerable, _C.PlanError) as e:
-                    self.plan = self.gm
-                    log.warning("decode step: no plan for sizes %s (%s); those calls run Dynamo's graph eagerly", key, e)
-                self.key = key
-            return self.plan(*args)
+            plan = self.plans.pop(key, None)
+            if plan is None:
+                plan = self._compile(key, args)
+            self.plans[key] = plan
+            if len(self.plans) > self.MAX_PLANS:
+                del self.plans[next(iter(self.plans))]
+            self.last = plan
+            return plan(*args)
+
+    def _compile(self, key, args):
+        try:
+            plan, _ = compile_decode_plan(self.gm, list(args), self.glue, self.kept)
+            log.info("decode step: a plan for sizes %s", key)
+            return plan
+        except (NotLowerable, _C.PlanError) as e:
+            log.warning("decode step: no plan for sizes %s (%s); those calls run Dynamo's graph eagerly", key, e)
+            return self.gm
 
     @property
     def last_call(self) -> dict | None:
-        return getattr(self.plan, "last_call", None)
+        return getattr(self.last, "last_call", None)
 
 
 __all__ = ["classify_decode_step", "compile_decode_step"]

@@ -27,12 +27,13 @@ Classify = Callable[[torch.fx.GraphModule, list], str | None]
 
 
 def compile_plan(gm: torch.fx.GraphModule, example_inputs, glue: bool = True, classify: Classify | None = None,
-                 aten_gm: torch.fx.GraphModule | None = None):
+                 aten_gm: torch.fx.GraphModule | None = None, kept: dict | None = None):
     """The plan for gm with these inputs, every size a Python int, and what
     compiling it did (rewrite counts, fallback ops, copies). Raises NotLowerable
     with classify's reason, or when the lowering cannot express gm. aten_gm:
-    gm's ATen trace, when the caller has made it already (it is rewritten)."""
-    arena = WeightArena(reserved_copy_bytes(gm, example_inputs))  # faults in while the graph is traced
+    gm's ATen trace, when the caller has made it already (it is rewritten).
+    kept: the weight copies gm's plans share (WeightArena)."""
+    arena = WeightArena(reserved_copy_bytes(gm, example_inputs), kept)  # faults in while the graph is traced
     try:
         aten_gm = aten_gm if aten_gm is not None else trace_to_aten(gm, example_inputs)
         why_not = classify(aten_gm, example_inputs) if classify else None
@@ -47,7 +48,7 @@ def compile_plan(gm: torch.fx.GraphModule, example_inputs, glue: bool = True, cl
     plan, report = lower_to_plan(aten_gm, example_inputs, copies)
     if copies or scalars:
         refresh = _Refresh(CopiedWeights(copies, {name: i for i, name in enumerate(placeholders)}), scalars, gm, glue,
-                           classify)
+                           classify, kept)
         plan.watch(refresh.sources, refresh)
     detail = {"rewrites": {k: v for k, v in counts.items() if v}, "fallback_ops": report.fallback_ops,
               "copies": len(copies)}
@@ -111,8 +112,9 @@ class _Refresh:
     `sources` is the list the plan checks, kept up to date in place."""
 
     def __init__(self, copied: CopiedWeights, scalars: list[tuple[int, float]], gm: torch.fx.GraphModule,
-                 glue: bool, classify: Classify | None):
+                 glue: bool, classify: Classify | None, kept: dict | None):
         self.copied, self.scalars, self.gm, self.glue, self.classify = copied, scalars, gm, glue, classify
+        self.kept = kept
         self.sources = copied.watched() + scalars
 
     def __call__(self, args):
@@ -123,5 +125,5 @@ class _Refresh:
             return None
         log.info("plan: %s; compiling the graph again",
                  "a weight can no longer be copied the same way" if same_values else "a float input changed")
-        plan, _ = compile_plan(self.gm, list(args), self.glue, self.classify)
+        plan, _ = compile_plan(self.gm, list(args), self.glue, self.classify, kept=self.kept)
         return plan

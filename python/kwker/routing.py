@@ -52,23 +52,24 @@ def route_graph(gm: torch.fx.GraphModule, example_inputs, grad_enabled: bool = F
     dynamic = Route("inductor", "dynamic shapes: kwker's rewrites and plans need static shapes")
     if symbolic_tensor(example_inputs):
         return dynamic
-    cache_write = static_cache_write(gm)
-    if cache_write is None:
+    positions = cache_positions(gm)
+    if positions is None:
         return dynamic if size_inputs(example_inputs) else Route("cpu-inference", "a CPU inference graph with static shapes")
-    if cache_write:
-        return Route("inductor", f"not a decode step: {cache_write}")
     unfit = unfit_for_kernels(gm, example_inputs)
     if unfit:
         return Route("inductor", f"a decode step kwker cannot replay: {unfit}")
+    what = "one position" if positions == 1 else f"{positions} positions"
     if size_inputs(example_inputs):
-        return Route("decode", "a decode step with dynamic sizes: a plan for each call's sizes")
-    return Route("decode", "a decode step: writes a static cache at one position")
+        return Route("decode", f"a decode step with dynamic sizes: writes a static cache at {what}; "
+                               "a plan for each call's sizes")
+    return Route("decode", f"a decode step: writes a static cache at {what}")
 
 
-def static_cache_write(gm: torch.fx.GraphModule) -> str | None:
-    """On Dynamo's graph: "" when it writes a graph input with index_copy_ at
-    one position and nothing else that way, the reason it is not a decode step
-    when it writes more positions, None when it writes no cache."""
+def cache_positions(gm: torch.fx.GraphModule) -> int | str | None:
+    """On Dynamo's graph: how many positions it writes of a graph input with
+    index_copy_ (a static cache), the size's symbol when that is dynamic, or
+    None when it writes no cache. One in a token's decode step; more in a chunk
+    of a prefill, a verify step of prompt lookup, assisted decoding."""
     found = None
     for node in gm.graph.nodes:
         if not (node.op == "call_method" and node.target == "index_copy_"):
@@ -77,9 +78,8 @@ def static_cache_write(gm: torch.fx.GraphModule) -> str | None:
         if not (isinstance(cache, torch.fx.Node) and cache.op == "placeholder" and isinstance(dim, int)):
             continue
         value = src.meta.get("example_value") if isinstance(src, torch.fx.Node) else None
-        if isinstance(value, torch.Tensor) and value.dim() > dim and value.shape[dim] != 1:
-            return f"{node.name} writes {value.shape[dim]} positions of {cache.name} (prefill, not decode)"
-        found = ""
+        size = value.shape[dim] if isinstance(value, torch.Tensor) and value.dim() > dim else 1
+        found = size if isinstance(size, int) else str(size)
     return found
 
 

@@ -113,11 +113,18 @@ class WeightArena:
     graph is traced to ATen and faulted in meanwhile by a thread of _C's: fresh
     memory faulted in at 0.5-1 GB/s on the VMs measured, about 1.5 s of a first
     compile for SmolLM2-360M's 724 MB of copies, now on the otherwise idle
-    core. Copies are cut from it in order; close() returns the unused tail."""
+    core. Copies are cut from it in order; close() returns the unused tail.
 
-    def __init__(self, nbytes: int):
+    kept: the copies the graph's plans for other sizes read, by (source names,
+    storage), shared by every plan of the graph (decode.StepPerSizes): a plan
+    for new sizes reads those whose sources are unchanged instead of copying
+    again. Each plan watches the sources of its copies; whichever plan sees a
+    change first packs the shared copy again, and the others find it fresh."""
+
+    def __init__(self, nbytes: int, kept: dict | None = None):
         self.memory = _C.weight_reserve(nbytes) if nbytes else None
         self.capacity, self.used = nbytes, 0
+        self.kept = kept
         self._scratch = torch.empty(0)
 
     def empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
@@ -226,10 +233,20 @@ class CopiedWeights:
 
 def make_copy(attr: str, names: list[str], tensors: list[torch.Tensor], storage: Storage,
               arena: WeightArena | None = None) -> CopiedWeight:
-    """Watches the sources, then copies them: a write in between is seen."""
+    """Watches the sources, then copies them: a write in between is seen. A
+    copy the arena keeps of the same sources, made the same way and still
+    fresh, is returned instead."""
+    key = (tuple(names), storage)
+    kept = arena.kept if arena else None
+    same = kept.get(key) if kept is not None else None
+    if same is not None and all(w.matches(t) for w, t in zip(same.watches, tensors)):
+        return same
     watches = [_C.Watch(t) for t in tensors]
     shape = copy_shape(tensors, storage)
     copy = arena.empty(shape, storage.dtype) if arena else weight_empty(shape, storage.dtype)
     scratch = arena.scratch(copy.numel(), storage.dtype) if arena and storage.block else None
     fill_copy(copy, tensors, storage, scratch)
-    return CopiedWeight(attr, names, storage, copy, watches)
+    made = CopiedWeight(attr, names, storage, copy, watches)
+    if kept is not None:
+        kept[key] = made
+    return made

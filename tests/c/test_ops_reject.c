@@ -191,7 +191,13 @@ Test(reject, attention) {
     accepted(KW_OP_ATTENTION, attention_call());
     kw_call c = attention_call();
     c.t[1] = T(KW_F32, 4, DIMS(1, 4, 2, 8));
-    tt_expect_reject(KW_OP_ATTENTION, &c, KW_ESHAPE, "q must be float32 or bfloat16 [B, Hq, 1, D]");
+    tt_expect_reject(KW_OP_ATTENTION, &c, KW_ESHAPE, "out must be float32 [B, Hq, L, Dv] = [1, 4, 2, 8]");
+    c = attention_call();
+    c.t[1] = T(KW_I64, 4, DIMS(1, 4, 1, 8));
+    tt_expect_reject(KW_OP_ATTENTION, &c, KW_ESHAPE, "q must be float32 or bfloat16 [B, Hq, L, D]");
+    c = attention_call();
+    c.t[4] = T(KW_BOOL, 4, DIMS(1, 1, 2, 6));
+    tt_expect_reject(KW_OP_ATTENTION, &c, KW_ESHAPE, "mask must be bool, float32 or bfloat16 [B or 1, 1, L = 1 or 1");
     c = attention_call();
     c.t[2] = T(KW_F32, 4, DIMS(1, 3, 6, 8));
     tt_expect_reject(KW_OP_ATTENTION, &c, KW_ESHAPE, "k_cache must be");

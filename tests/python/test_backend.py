@@ -159,7 +159,7 @@ def test_kwker_logs_nothing_by_default():
 
 def test_a_graph_kwker_hands_to_inductor_gets_no_aten_trace_and_no_weight_copies(monkeypatch):
     """Routing reads Dynamo's own graph: a graph that goes to stock Inductor (a
-    training step, a float16 decode step, a prefill) is never traced to ATen,
+    training step, a float16 decode step) is never traced to ATen,
     rewritten or given weight copies by kwker."""
     import kwker.dynamo_backend
     import kwker.plan

@@ -94,10 +94,10 @@ def test_sizes_a_plan_cannot_be_compiled_for_run_dynamos_graph_eagerly_with_eage
 
     compile_decode_plan = kwker.decode.compile_decode_plan
 
-    def refuse_72(gm, args, glue=True):
+    def refuse_72(gm, args, glue=True, kept=None):
         if any(isinstance(a, torch.Tensor) and a.dim() == 4 and a.shape[2] == 72 for a in args):  # the cache
             raise kwker.lower.NotLowerable("refused by the test")
-        return compile_decode_plan(gm, args, glue)
+        return compile_decode_plan(gm, args, glue, kept)
 
     monkeypatch.setattr(kwker.decode, "compile_decode_plan", refuse_72)
     model = llama()

@@ -1,4 +1,5 @@
-"""Decode attention over a static KV cache, without repeat_kv.
+"""Attention of one or more query positions over a static KV cache, without
+repeat_kv (causality, for several positions, is in the mask).
 
 HF's sdpa path expands each cache to all query heads (repeat_kv: unsqueeze,
 expand, clone, view) and passes an additive mask made from the bool mask by
@@ -27,7 +28,7 @@ def _fuse_one(graph, sdpa) -> int:
     q, k, v = sdpa.args[:3]
     dropout = sdpa.args[3] if len(sdpa.args) > 3 else sdpa.kwargs.get("dropout_p", 0.0)
     causal = sdpa.args[4] if len(sdpa.args) > 4 else sdpa.kwargs.get("is_causal", False)
-    if dropout != 0.0 or causal or val(q).dim() != 4 or val(q).shape[2] != 1:
+    if dropout != 0.0 or causal or val(q).dim() != 4:
         return 0
     k_cache, v_cache = _unrepeat(k), _unrepeat(v)
     hq, hkv = val(q).shape[1], val(k_cache).shape[1]

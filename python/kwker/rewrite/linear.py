@@ -135,7 +135,7 @@ def _rewrite_group(gm, group: list[_Linear], params, storage: weights.Storage, a
 def _copy_node(gm, sources: list[torch.fx.Node], params, storage: weights.Storage, arena, copies) -> torch.fx.Node:
     """A get_attr of the sources' copy. Its fake value is the copy as the op
     reads it, [N, K]; a K-blocked copy's real layout is in its CopiedWeight."""
-    attr = f"kwker_weight_{len(copies)}"
+    attr = f"kwker_copy_of_{sources[0].name}"  # the same in every plan of the graph (a kept copy keeps its name)
     copy = weights.make_copy(attr, [s.name for s in sources], [params[s.name] for s in sources], storage, arena)
     copies.append(copy)
     gm.register_buffer(attr, copy.copy)
