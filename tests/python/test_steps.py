@@ -102,3 +102,31 @@ def test_the_plans_of_one_step_share_its_weight_copies_and_keep_them_fresh():
         model.model.layers[1].mlp.gate_proj.weight.mul_(-2.0)
     assert same_tokens(112)
     assert all(step.kept[k] is c for k, c in kept.items())  # packed again in place
+
+
+def test_every_plan_of_a_step_with_several_sizes_reads_the_cache_with_kwkers_attention():
+    """Steps of 1, 2, 4 and 8 positions called directly, as generate() calls
+    them: the plans for the later sizes (traced with the call's own arguments)
+    keep no SDPA, repeat_kv copy or mask conversion beside kwker's attention."""
+    from transformers import StaticCache
+
+    model = small_model("llama")
+    forward = torch.compile(model.forward, backend="kwker", fullgraph=True)
+    cache, ref_cache = (StaticCache(config=model.config, max_cache_len=96) for _ in range(2))
+    prompt = torch.randint(1, 64, (1, 40), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        model(prompt, cache=cache, use_cache=True)
+        model(prompt, cache=ref_cache, use_cache=True)
+        for q in (1, 2, 4, 8):
+            ids = torch.randint(1, 64, (1, q), generator=torch.Generator().manual_seed(q))
+            kw = dict(input_ids=ids, position_ids=torch.arange(40, 40 + q)[None], cache_position=torch.arange(40, 40 + q),
+                      use_cache=True)
+            torch.testing.assert_close(forward(cache=cache, **kw).logits, model(cache=ref_cache, **kw).logits)
+    plans = []
+    for g in summary.graphs():
+        step = g.plan()
+        plans += list(step.plans.values()) if hasattr(step, "plans") else [step]
+    assert len(plans) == 4, kwker.report()
+    for plan in plans:
+        steps = plan.dump()
+        assert steps.count(" attention ") == model.config.num_hidden_layers and "flash_attention" not in steps, steps

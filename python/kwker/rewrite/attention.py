@@ -44,6 +44,14 @@ def _fuse_one(graph, sdpa) -> int:
         new = graph.call_function(ops.attention.default, (q, k_cache, v_cache, mask, float(scale)))
     new.meta["val"] = val(out)
     out.replace_all_uses_with(new)
+    # Erased here, not left to dead-code elimination, which keeps the SDPA of
+    # some traces (SmolLM2's 8-position step): with it would stay repeat_kv's
+    # copies and the mask's where, all computed for nothing.
+    for user in list(sdpa.users):
+        if not user.users:
+            graph.erase_node(user)
+    if not sdpa.users:
+        graph.erase_node(sdpa)
     return 1
 
 
