@@ -97,8 +97,11 @@ def ttft(model, repeats: int) -> dict:
 def step_cost(model, repeats: int) -> list[dict]:
     """The forward generate() compiles, called directly: q new tokens at
     positions CACHED.. of a static cache whose first CACHED positions a prefill
-    wrote. Each backend gets its own cache; the same positions are written
-    again on every call (the cache's contents stay the same)."""
+    wrote; each backend has its own cache. transformers' StaticCache writes at
+    its own counter (cumulative_length), which every call advances, while the
+    mask and rotary follow cache_position: each call attends over the same
+    CACHED + i positions and writes past them (2 + repeats calls of each q, 416
+    positions in all, stay within MAX_CACHE_LEN)."""
     rows = []
     forwards = {"eager": model.forward}
     for b in ("inductor", "kwker"):
