@@ -100,8 +100,9 @@ def step_cost(model, repeats: int) -> list[dict]:
     wrote; each backend has its own cache. transformers' StaticCache writes at
     its own counter (cumulative_length), which every call advances, while the
     mask and rotary follow cache_position: each call attends over the same
-    CACHED + i positions and writes past them (2 + repeats calls of each q, 416
-    positions in all, stay within MAX_CACHE_LEN)."""
+    CACHED + i positions and writes past them, 2 + repeats calls of each q."""
+    if CACHED + (2 + repeats) * sum(QS) > MAX_CACHE_LEN:
+        raise SystemExit(f"step_cost: {repeats} repeats would write past the cache's {MAX_CACHE_LEN} positions")
     rows = []
     forwards = {"eager": model.forward}
     for b in ("inductor", "kwker"):
