@@ -92,7 +92,8 @@ run_tests() {
     LD_PRELOAD="$(gcc -print-file-name=libasan.so) $(gcc -print-file-name=libstdc++.so)" \
         ASAN_OPTIONS=detect_leaks=0:alloc_dealloc_mismatch=0 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
         "$PY" scripts/sanitized_pytest.py "$(find build/py-asan -name '_C.*.so' | head -n 1)" -q -p no:logging \
-        tests/python/test_plan.py tests/python/test_reliability.py tests/python/test_decode_step.py
+        tests/python/test_plan.py tests/python/test_reliability.py tests/python/test_decode_step.py \
+        tests/python/test_steps.py
 }
 
 cmd=${1:-}
