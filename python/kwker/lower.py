@@ -23,7 +23,7 @@ from torch.fx import Node
 from kwker import _C
 from kwker.custom_ops import ops
 from kwker.rewrite.match import val
-from kwker.weights import CopiedWeight, by_matmul
+from kwker.weights import CopiedWeight, by_matmul, rows_per_call
 
 aten = torch.ops.aten
 P = _C.op_params()
@@ -275,13 +275,12 @@ def _lower_linear(lw: _Lowering, node: Node):
     dtype (matmul_dnnl refuses the rest; linear takes them)."""
     x, w, bias = node.args
     views = [lw.view(val(node)), lw.view(val(x)), lw.weight_view(w), lw.arg_view(bias)]
-    if by_matmul(val(x).dtype, val(x).numel() // val(x).shape[-1]):
+    if by_matmul(val(x).dtype, rows_per_call(val(x))):
         try:
             return lw.op(node, "matmul_dnnl", views)
         except _Rejected:
             pass
     lw.op(node, "linear", views)
-
 
 
 def _lower_linear_multi(lw: _Lowering, node: Node):

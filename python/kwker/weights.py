@@ -62,6 +62,11 @@ DNNL_MIN_ROWS = {torch.float32: _P["DNNL_MIN_M_F32"], torch.bfloat16: _P["DNNL_M
 DNNL_MIN_ROWS_OVER_BF16_COPY = _P["DNNL_MIN_M_F32_BF16_COPY"]
 
 
+def rows_per_call(x: torch.Tensor) -> int:
+    """The rows a linear of input x multiplies: every dimension but the last."""
+    return x.numel() // x.shape[-1] if x.dim() else 1
+
+
 def by_matmul(dtype: torch.dtype, rows: int) -> bool:
     """Whether a linear of these rows over an input and weight of this dtype is oneDNN's."""
     return rows >= DNNL_MIN_ROWS.get(dtype, rows + 1)
@@ -72,7 +77,7 @@ def decide(weights: list[torch.Tensor], rows: int) -> Storage | None:
     when none does) of `rows` rows per call, or None: each read as stored."""
     dtype = copy_dtype(weights)
     as_stored = dtype == weights[0].dtype
-    if rows >= (DNNL_MIN_ROWS.get(dtype, rows + 1) if as_stored else DNNL_MIN_ROWS_OVER_BF16_COPY):
+    if by_matmul(dtype, rows) if as_stored else rows >= DNNL_MIN_ROWS_OVER_BF16_COPY:
         return None
     if len(weights) == 1 and as_stored:
         return None

@@ -31,14 +31,10 @@ def reserved_copy_bytes(gm: torch.fx.GraphModule, example_inputs) -> int:
         groups.setdefault((n.args[0], w.dtype, bias is None), []).append((w, bias))
     total = 0
     for (x, _, _), members in groups.items():
-        rows = _rows(x.meta["example_value"]) if "example_value" in x.meta else 1
+        rows = weights.rows_per_call(x.meta["example_value"]) if "example_value" in x.meta else 1
         total += weights.copy_bytes([w for w, _ in members], [b for _, b in members if isinstance(b, torch.Tensor)],
                                     rows)
     return total
-
-
-def _rows(x) -> int:
-    return x.numel() // x.shape[-1] if x.dim() else 1
 
 
 def rewrite_linears(gm: torch.fx.GraphModule, params: dict[str, torch.Tensor],
@@ -49,7 +45,7 @@ def rewrite_linears(gm: torch.fx.GraphModule, params: dict[str, torch.Tensor],
     linears = [m for m in (_match_linear(n, params) for n in gm.graph.nodes) if m]
     copies: list[weights.CopiedWeight] = []
     for group in _group_by_input(linears):
-        storage = weights.decide([params[m.weight.name] for m in group], _rows(val(group[0].x)))
+        storage = weights.decide([params[m.weight.name] for m in group], weights.rows_per_call(val(group[0].x)))
         if storage is None:
             for m in group:
                 _rewrite_single_as_stored(gm.graph, m)
