@@ -46,6 +46,7 @@ from kwker.threads import SPIN_VARIABLES
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode import BACKENDS, generate, read_bandwidth_gbs, timed_generate  # noqa: E402
+from models import cpu_name, interleaved_ms  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 COMPARED = ["eager", "inductor", "kwker"]
@@ -61,20 +62,9 @@ def machine() -> dict:
     return dict(read_gbs=read_bandwidth_gbs(torch.get_num_threads()), load=os.getloadavg()[0])
 
 
-def interleaved(calls: dict, repeats: int) -> dict:
-    """{name: [seconds]} of calls made one of each at a time, `repeats` rounds."""
-    times = {name: [] for name in calls}
-    for _ in range(repeats):
-        for name, call in calls.items():
-            start = time.perf_counter()
-            call()
-            times[name].append(time.perf_counter() - start)
-    return times
-
-
-def spread(seconds: list[float]) -> dict:
-    q = statistics.quantiles(seconds, n=4) if len(seconds) > 1 else [seconds[0]] * 3
-    return dict(median=statistics.median(seconds), q1=q[0], q3=q[2], min=min(seconds), max=max(seconds))
+def spread(values: list[float]) -> dict:
+    q1, median, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return dict(median=median, q1=q1, q3=q3, min=min(values), max=max(values))
 
 
 def ttft(model, repeats: int) -> dict:
@@ -89,8 +79,8 @@ def ttft(model, repeats: int) -> dict:
         call()
     tokens = {b: generate(model, ids, 1, BACKENDS[b], MAX_CACHE_LEN, prefill_chunk_size=CHUNK)[0][0, -1].item()
               for b in COMPARED}
-    times = interleaved(calls, repeats)
-    return {b: dict(spread(times[b]), first_call_s=firsts[b], token_equal_eager=tokens[b] == tokens["eager"])
+    times = interleaved_ms(calls, repeats)
+    return {b: dict(spread([ms / 1e3 for ms in times[b]]), first_call_s=firsts[b], token_equal_eager=tokens[b] == tokens["eager"])
             for b in COMPARED}
 
 
@@ -122,10 +112,9 @@ def step_cost(model, repeats: int) -> list[dict]:
             call()
             call()  # compiled: the first sizes compile, the second of a new q may compile again
             calls[(b, q)] = call
-    times = interleaved(calls, repeats)
-    for (b, q), seconds in times.items():
-        rows.append(dict(backend=b, q=q, ms=statistics.median(seconds) * 1e3, **{
-            k: v * 1e3 for k, v in spread(seconds).items() if k != "median"}))
+    for (b, q), ms in interleaved_ms(calls, repeats).items():
+        s = spread(ms)
+        rows.append(dict(backend=b, q=q, ms=s.pop("median"), **s))
     for r in rows:
         r["ratio_to_q1"] = r["ms"] / next(x["ms"] for x in rows if x["backend"] == r["backend"] and x["q"] == 1)
     return rows
@@ -190,14 +179,14 @@ def lookup(repeats: int) -> dict:
         outs = {w: generate(model, ids, new, BACKENDS["kwker"], cache, **kw, **extra)[0] for w, extra in ways.items()}
         outs["eager"] = generate(model, ids, new, None, cache, **kw)[0]
         accepted.clear()
-        times = interleaved({w: (lambda extra=extra: generate(model, ids, new, BACKENDS["kwker"], cache, **kw, **extra))
+        times = interleaved_ms({w: (lambda extra=extra: generate(model, ids, new, BACKENDS["kwker"], cache, **kw, **extra))
                              for w, extra in ways.items()}, repeats)
     finally:
         candidate_generator.PromptLookupCandidateGenerator.update_candidate_strategy = update
     verify_steps = len(accepted) / repeats
     return dict(new_tokens=new, tokens_equal=outs["lookup"].tolist() == outs["greedy"].tolist() == outs["eager"].tolist(),
-                greedy_tokens_per_s=new / statistics.median(times["greedy"]),
-                lookup_tokens_per_s=new / statistics.median(times["lookup"]),
+                greedy_tokens_per_s=new / (statistics.median(times["greedy"]) / 1e3),
+                lookup_tokens_per_s=new / (statistics.median(times["lookup"]) / 1e3),
                 verify_steps=verify_steps, accepted_per_verify_step=sum(accepted) / max(len(accepted), 1))
 
 
@@ -230,8 +219,7 @@ def run(models, dtypes, repeats) -> dict:
         looked = lookup(repeats)
     return dict(runs=runs, lookup=looked, threads=torch.get_num_threads(), repeats=repeats,
                 openmp_spin={k: os.environ[k] for k in SPIN_VARIABLES if k in os.environ},
-                cpu=next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-                         "?"))
+                cpu=cpu_name())
 
 
 def markdown(result) -> str:
