@@ -14,8 +14,6 @@ starts, before kwker is imported, so kwker can only say so.
 import logging
 import os
 
-import torch
-
 log = logging.getLogger(__name__)
 
 SPIN_VARIABLES = ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY", "KMP_BLOCKTIME")
@@ -27,6 +25,8 @@ def openmp_spin_hint(n_threads: int, n_cpus: int, environ=os.environ) -> str | N
     """Why and how to shorten OpenMP's spinning, or None when it cannot matter:
     the user chose a wait policy, OpenMP is absent, or both pools fit the CPUs
     (kwker's pool has n_threads - 1 workers, OpenMP's team as many)."""
+    import torch  # here, so that the launcher (kwker.run) reads SPIN_VARIABLES without starting torch
+
     if any(name in environ for name in SPIN_VARIABLES) or not torch.backends.openmp.is_available():
         return None
     if 2 * n_threads - 1 <= n_cpus:
@@ -44,6 +44,8 @@ def warn_once_if_openmp_spins() -> None:
     if _warned:
         return
     _warned = True
+    import torch
+
     hint = openmp_spin_hint(torch.get_num_threads(), len(os.sched_getaffinity(0)))
     if hint:
         log.warning(hint)

@@ -1,0 +1,136 @@
+"""Run a Python program with the process settings kwker is measured under.
+
+    python -m kwker.run [--jemalloc] [--threads N] [--cpus LIST] [--] script.py args...
+    python -m kwker.run [options] -m module args...
+
+In the manner of PyTorch's own CPU launcher (``python -m torch.backends.xeon.run_cpu``),
+these must be set before the interpreter starts (the dynamic loader reads
+``LD_PRELOAD``, OpenMP its variables when torch loads it), so the launcher sets
+them and replaces itself with a new interpreter running the program:
+
+- ``--jemalloc``: ``LD_PRELOAD`` of the system's jemalloc (Debian's ``libjemalloc2``)
+  with ``MALLOC_CONF`` as PyTorch's CPU tuning guide gives it (JEMALLOC_CONF below);
+- ``--threads N``: ``OMP_NUM_THREADS=N``, which sets ``torch.get_num_threads()`` and
+  so the size of kwker's own pool; by default, one thread per CPU the program may run on;
+- ``--cpus LIST`` (``0-3,6``): the CPUs the program may run on (as ``taskset -c``); with
+  ``--threads`` alone, the first N of the CPUs this process may use;
+- ``GOMP_SPINCOUNT=10000`` unless the environment already chooses a wait policy
+  (README, "Threads": PyTorch's OpenMP threads otherwise spin for milliseconds after
+  each parallel op, taking CPU time from kwker's pool).
+
+The environment's own choices are kept (its OMP_NUM_THREADS unless ``--threads``
+is given, its wait policy, its MALLOC_CONF), and one line on stderr says what the
+launcher set.
+"""
+
+import argparse
+import os
+import sys
+
+from kwker.threads import SPIN_VARIABLES
+
+# PyTorch's CPU performance tuning guide: `oversize_threshold:1` puts every large
+# allocation (activations, Inductor's and eager's temporaries) in jemalloc's own
+# arena for them, `background_thread` returns memory off the calling thread, and
+# the decay times (about 100 days) keep freed pages mapped, so a tensor freed at
+# one step and allocated again at the next costs no mmap, munmap or page faults.
+JEMALLOC_CONF = ("oversize_threshold:1,background_thread:true,metadata_thp:auto,"
+                 "dirty_decay_ms:9000000000,muzzy_decay_ms:9000000000")
+
+JEMALLOC_NAMES = ("libjemalloc.so.2", "libjemalloc.so")
+
+
+def find_jemalloc(search_dirs=None) -> str:
+    """The path of the shared jemalloc to preload: in the Python environment's
+    own lib (a conda install), then the system's library folders."""
+    if search_dirs is None:
+        multiarch = getattr(sys.implementation, "_multiarch", "")
+        search_dirs = [os.path.join(sys.prefix, "lib"), f"/usr/lib/{multiarch}", f"/lib/{multiarch}",
+                       "/usr/lib64", "/usr/lib", "/usr/local/lib"]
+    for d in search_dirs:
+        for name in JEMALLOC_NAMES:
+            path = os.path.join(d, name)
+            if os.path.isfile(path):
+                return path
+    raise SystemExit("kwker.run: --jemalloc: no libjemalloc.so.2 in " + ", ".join(search_dirs)
+                     + " (Debian: apt-get install libjemalloc2; scripts/dev.sh setup installs it)")
+
+
+def parse_cpus(text: str) -> list[int]:
+    """`0-3,6` -> [0, 1, 2, 3, 6], as taskset -c reads it."""
+    cpus = set()
+    try:
+        for part in text.split(","):
+            first, _, last = part.partition("-")
+            lo, hi = int(first), int(last or first)
+            if lo < 0 or hi < lo:
+                raise ValueError
+            cpus.update(range(lo, hi + 1))
+    except ValueError:
+        raise SystemExit(f"kwker.run: --cpus {text!r}: expected a list such as 0-3,6") from None
+    return sorted(cpus)
+
+
+def launch_settings(args, environ, allowed_cpus) -> tuple[dict, list[int] | None]:
+    """The environment and CPU set for the program: what the options ask, the
+    user's own variables kept. `allowed_cpus` are the CPUs this process may use."""
+    env = dict(environ)
+    cpus = None
+    if args.cpus is not None:
+        cpus = parse_cpus(args.cpus)
+        if not set(cpus) <= set(allowed_cpus):
+            raise SystemExit(f"kwker.run: --cpus {args.cpus}: this process may only use CPUs {sorted(allowed_cpus)}")
+    if args.threads is not None:
+        if args.threads < 1:
+            raise SystemExit(f"kwker.run: --threads {args.threads}: expected at least 1")
+        if cpus is None and args.threads < len(allowed_cpus):
+            cpus = sorted(allowed_cpus)[:args.threads]
+    if args.threads is not None:
+        env["OMP_NUM_THREADS"] = str(args.threads)
+    else:
+        env.setdefault("OMP_NUM_THREADS", str(len(cpus or allowed_cpus)))
+    if not any(name in environ for name in SPIN_VARIABLES):
+        env["GOMP_SPINCOUNT"] = "10000"
+    if args.jemalloc:
+        preload = [p for p in environ.get("LD_PRELOAD", "").split(":") if p]
+        env["LD_PRELOAD"] = ":".join([find_jemalloc()] + preload)
+        env.setdefault("MALLOC_CONF", JEMALLOC_CONF)
+    return env, cpus
+
+
+def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
+    """The launcher's own options and the program's command line (`script.py
+    args`, `-m module args`, or whatever follows `--`), split where python
+    itself would stop reading options: the program's own `--help` is its own."""
+    i = 0
+    while i < len(argv):
+        if argv[i] == "--":
+            return argv[:i], argv[i + 1:]
+        if argv[i] == "-m" or not argv[i].startswith("-"):
+            return argv[:i], argv[i:]
+        i += 2 if argv[i] in ("--threads", "--cpus") else 1
+    return argv, []
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m kwker.run", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        usage="%(prog)s [--jemalloc] [--threads N] [--cpus LIST] [--] script.py args... | -m module args...")
+    parser.add_argument("--jemalloc", action="store_true", help="preload the system's jemalloc with MALLOC_CONF")
+    parser.add_argument("--threads", type=int, help="OMP_NUM_THREADS (kwker's pool follows torch's thread count)")
+    parser.add_argument("--cpus", help="the CPUs the program may run on, e.g. 0-3,6")
+    own, program = split_argv(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(own)
+    if not program:
+        parser.error("name a script (or -m module) to run")
+    env, cpus = launch_settings(args, os.environ, os.sched_getaffinity(0))
+    if cpus is not None:
+        os.sched_setaffinity(0, cpus)  # kept across exec, by the program and every thread it starts
+    changed = " ".join(f"{k}={env[k]}" for k in sorted(env) if env[k] != os.environ.get(k))
+    print(f"kwker.run: {changed or 'nothing to set'}" + (f" cpus={','.join(map(str, cpus))}" if cpus else ""),
+          file=sys.stderr, flush=True)
+    os.execve(sys.executable, [sys.executable] + program, env)
+
+
+if __name__ == "__main__":
+    main()
