@@ -15,7 +15,9 @@
  * same weights split without shuffles (below) 0.91 for both. One row at a time
  * with two accumulators beats more accumulators (four: 0.75), two rows at once
  * (0.5, two streams) and software prefetch (0.6), so the tiles let the hardware
- * prefetchers follow one sequential stream.
+ * prefetchers follow one sequential stream. Intel's prefetchers alone keep too
+ * few lines in flight on that stream, so there each weight line is also
+ * prefetched pf bytes ahead (kw_cpu_prefetch_bytes; 0 elsewhere).
  *
  * bf16 weights are read 2·KW_VW at a time as KW_VW 32-bit pairs: shifting each
  * pair up by 16 gives the even weights as f32, masking off its low half the odd
@@ -26,22 +28,29 @@
 #include "simd.h"
 
 /* A run: the dot products of nrows consecutive weight rows (wb bytes apart) with
- * MB activation rows (xs elements apart), into out[r·MB + m]. */
+ * MB activation rows (xs elements apart), into out[r·MB + m]; pf as in kw__lin. */
 typedef void (*kw__run_fn)(const void *x, int64_t xs, int64_t K, const char *w, int64_t wb, int64_t nrows,
-                           float *out);
+                           int64_t pf, float *out);
+
+/* Asks for the weight line pf bytes past p (which runs on into the next rows:
+ * a run's rows are contiguous). A hint: it never faults, even past the end. */
+static inline __attribute__((always_inline)) void prefetch_ahead(const void *p, int64_t pf) {
+    if (pf) _mm_prefetch((const char *)p + pf, _MM_HINT_T0);
+}
 
 /* MB (and U) are constants at every call site (the run wrappers below), so the
  * accumulators live in registers and the loops unroll. */
 
 /* f32 weights: U chains per activation row, at most two weight loads per step. */
 static inline __attribute__((always_inline)) void tile_f32(const float *x, int64_t xs, int64_t K, const float *w,
-                                                           float *out, const int MB, const int U) {
+                                                           int64_t pf, float *out, const int MB, const int U) {
     kw_v acc[4][4];
     for (int u = 0; u < U; u++)
         for (int m = 0; m < MB; m++) acc[u][m] = kw_v_zero();
     int64_t k = 0;
     for (; k + U * KW_VW <= K; k += U * KW_VW)
         for (int u = 0; u < U; u++) {
+            prefetch_ahead(w + k + u * KW_VW, pf);
             const kw_v wv = kw_v_loadu(w + k + u * KW_VW);
             for (int m = 0; m < MB; m++) acc[u][m] = kw_v_fmadd(wv, kw_v_loadu(x + m * xs + k + u * KW_VW), acc[u][m]);
         }
@@ -73,26 +82,29 @@ static inline __attribute__((always_inline)) void pairs_step(kw_vpair wv, const 
  * mask (two loads of one line): a single load feeding both read at 0.55 of the
  * read loop against 0.91. */
 static inline __attribute__((always_inline)) void tile_pairs(const float *x, int64_t xs, int64_t K, const uint16_t *w,
-                                                             float *out, const int MB) {
+                                                             int64_t pf, float *out, const int MB) {
     kw_v even[4], odd[4];
     for (int m = 0; m < MB; m++) even[m] = odd[m] = kw_v_zero();
     int64_t k = 0;
-    for (; k + 2 * KW_VW <= K; k += 2 * KW_VW) pairs_step(kw_vpair_load(w + k), x + k, xs, even, odd, MB);
+    for (; k + 2 * KW_VW <= K; k += 2 * KW_VW) {
+        prefetch_ahead(w + k, pf);
+        pairs_step(kw_vpair_load(w + k), x + k, xs, even, odd, MB);
+    }
     if (k < K) pairs_step(kw_vpair_loadn(w + k, K - k), x + k, xs, even, odd, MB);
     for (int m = 0; m < MB; m++) out[m] = kw_v_reduce_add(kw_v_add(even[m], odd[m]));
 }
 
 #define KW__RUN(name, MB, tile_call)                                                                             \
     static void run_##name##_##MB(const void *x, int64_t xs, int64_t K, const char *w, int64_t wb, int64_t nrows, \
-                                  float *out) {                                                                  \
+                                  int64_t pf, float *out) {                                                      \
         for (int64_t r = 0; r < nrows; r++) tile_call;                                                          \
     }
 #define KW__RUNS(name, call1, call2, call3, call4)                                                     \
     KW__RUN(name, 1, call1) KW__RUN(name, 2, call2) KW__RUN(name, 3, call3) KW__RUN(name, 4, call4) \
     static const kw__run_fn runs_##name[4] = {run_##name##_1, run_##name##_2, run_##name##_3, run_##name##_4};
 
-#define KW__F32(MB, U) tile_f32((const float *)x, xs, K, (const float *)(w + r * wb), out + r * MB, MB, U)
-#define KW__PAIRS(MB) tile_pairs((const float *)x, xs, K, (const uint16_t *)(w + r * wb), out + r * MB, MB)
+#define KW__F32(MB, U) tile_f32((const float *)x, xs, K, (const float *)(w + r * wb), pf, out + r * MB, MB, U)
+#define KW__PAIRS(MB) tile_pairs((const float *)x, xs, K, (const uint16_t *)(w + r * wb), pf, out + r * MB, MB)
 KW__RUNS(f32, KW__F32(1, 2), KW__F32(2, 2), KW__F32(3, 1), KW__F32(4, 1))
 KW__RUNS(pairs, KW__PAIRS(1), KW__PAIRS(2), KW__PAIRS(3), KW__PAIRS(4))
 
@@ -100,13 +112,15 @@ KW__RUNS(pairs, KW__PAIRS(1), KW__PAIRS(2), KW__PAIRS(3), KW__PAIRS(4))
 /* bf16 activations with bf16 weights: vdpbf16ps multiplies bf16 pairs exactly and
  * accumulates in f32 (flushing denormals), 32 products per instruction. */
 static inline __attribute__((always_inline)) void tile_dp(const uint16_t *x, int64_t xs, int64_t K,
-                                                          const uint16_t *w, float *out, const int MB, const int U) {
+                                                          const uint16_t *w, int64_t pf, float *out, const int MB,
+                                                          const int U) {
     __m512 acc[4][4];
     for (int u = 0; u < U; u++)
         for (int m = 0; m < MB; m++) acc[u][m] = _mm512_setzero_ps();
     int64_t k = 0;
     for (; k + U * 32 <= K; k += U * 32)
         for (int u = 0; u < U; u++) {
+            prefetch_ahead(w + k + u * 32, pf);
             const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + k + u * 32);
             for (int m = 0; m < MB; m++)
                 acc[u][m] = _mm512_dpbf16_ps(acc[u][m], wv, (__m512bh)_mm512_loadu_si512(x + m * xs + k + u * 32));
@@ -124,7 +138,7 @@ static inline __attribute__((always_inline)) void tile_dp(const uint16_t *x, int
     }
 }
 
-#define KW__DP(MB, U) tile_dp((const uint16_t *)x, xs, K, (const uint16_t *)(w + r * wb), out + r * MB, MB, U)
+#define KW__DP(MB, U) tile_dp((const uint16_t *)x, xs, K, (const uint16_t *)(w + r * wb), pf, out + r * MB, MB, U)
 KW__RUNS(dp, KW__DP(1, 2), KW__DP(2, 2), KW__DP(3, 1), KW__DP(4, 1))
 #endif
 
@@ -186,7 +200,7 @@ void KW__ISA_NAME(kw__linear_acts)(const kw__lin *g, void *work) {
 static void block_run(const kw__lin *g, const kw__acts *a, int64_t kb, int64_t n, int64_t nr, int64_t m0, int MB,
                       float *out) {
     const char *x = a->x + (size_t)(m0 * a->xs + kb * a->kbs) * a->esize;
-    a->runs[MB - 1](x, a->xs, g->kblk, kw__lin_wrow(g, kb, n), g->ws * (int64_t)kw_dtype_size(g->wt), nr, out);
+    a->runs[MB - 1](x, a->xs, g->kblk, kw__lin_wrow(g, kb, n), g->ws * (int64_t)kw_dtype_size(g->wt), nr, g->pf, out);
 }
 
 /* Stores MB dot products with weight row n, plus bias, rounding to y's dtype once. */
