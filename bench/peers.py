@@ -397,7 +397,7 @@ def charts(result, stem: Path) -> list[Path]:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="the SmolLM2-360M shape only, fp32 and bf16")
+    parser.add_argument("--quick", action="store_true", help="the SmolLM2-360M shape only, 64 new tokens")
     parser.add_argument("--out", required=True, help="the JSON; the .md and charts go beside it")
     parser.add_argument("--models", default="SmolLM2-360M,Qwen2.5-0.5B,Llama-3.2-1B")
     parser.add_argument("--dtypes", default="fp32,bf16")
@@ -410,7 +410,7 @@ def main():
                         help="tuned Inductor with mode='max-autotune' too (its compile took minutes)")
     args = parser.parse_args()
     if args.quick:
-        args.models = "SmolLM2-360M"
+        args.models, args.new_tokens = "SmolLM2-360M", 64
     models, dtypes, backends = args.models.split(","), args.dtypes.split(","), args.backends.split(",")
     for value, known in ((models, BENCH_CONFIGS), (dtypes, DTYPES), (backends, BACKENDS)):
         if unknown := [v for v in value if v not in known]:
