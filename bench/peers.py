@@ -279,7 +279,7 @@ def row(name, dtype, backend, ready, runs, step_bytes, eager_tokens, prompt_len)
     steady = [step_bytes / ((r["read_gbs_before"] + r["read_gbs_after"]) / 2 * 1e9) / r["token_s"] for r in clean
               if abs(r["read_gbs_before"] - r["read_gbs_after"]) <= decode.STEADY * min(r["read_gbs_before"],
                                                                                         r["read_gbs_after"])]
-    tokens = ready["tokens"]
+    tokens = ready["tokens"] if eager_tokens is not None else None  # compared with eager's, when eager ran
     return dict(
         model=name, dtype=dtype, backend=backend,
         tokens_per_s=1.0 / statistics.median(token_s),
