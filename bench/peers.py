@@ -61,7 +61,7 @@ from peers_worker import DTYPES, TORCH_BACKENDS  # noqa: E402
 
 from kwker import _C  # noqa: E402
 from kwker.testing import BENCH_CONFIGS, bench_model  # noqa: E402
-from kwker.threads import SPIN_VARIABLES  # noqa: E402
+from kwker.threads import SPIN_VARIABLES, with_short_spin  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 PEERS = ROOT / "build" / "peers"
@@ -240,24 +240,19 @@ class LlamaBench:
                           settings=dict(command=" ".join(self.cmd[1:]), llama_cpp_python=LLAMA_CPP_PYTHON["version"]))
 
     def run(self) -> tuple[float, float]:
-        ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu = ops_bench.children_cpu_s()
         out = subprocess.run(self.cmd, check=True, capture_output=True, text=True, env=worker_env())
-        after = resource.getrusage(resource.RUSAGE_CHILDREN)
         test = json.loads(out.stdout)[0]
         assert test["n_gen"] == self.new_tokens, test
-        return 1.0 / test["avg_ts"], (after.ru_utime + after.ru_stime) - (ru.ru_utime + ru.ru_stime)
+        return 1.0 / test["avg_ts"], ops_bench.children_cpu_s() - cpu
 
     def close(self):
         pass
 
 
 def worker_env() -> dict:
-    """Every backend's environment: this one, with GOMP_SPINCOUNT=10000 as the
-    README advises (and as kwker.run sets) unless a wait policy is already chosen."""
-    env = dict(os.environ)
-    if not any(name in env for name in SPIN_VARIABLES):
-        env["GOMP_SPINCOUNT"] = "10000"
-    return env
+    """Every backend's environment: this one, its OpenMP spin as kwker.run sets it."""
+    return with_short_spin(os.environ)
 
 
 def timed_run(backend, threads) -> dict:
@@ -273,7 +268,7 @@ def timed_run(backend, threads) -> dict:
                 loaded=others / wall > OTHER_LOAD)
 
 
-def row(name, dtype, backend, ready, runs, step_bytes, eager_tokens, prompt_len) -> dict:
+def row(name, dtype, backend, ready, runs, step_bytes, eager_tokens) -> dict:
     clean = [r for r in runs if not r["loaded"]] or runs
     token_s = [r["token_s"] for r in clean]
     steady = [step_bytes / ((r["read_gbs_before"] + r["read_gbs_after"]) / 2 * 1e9) / r["token_s"] for r in clean
@@ -329,7 +324,7 @@ def measure(name, dtype, backends, args) -> list[dict]:
     for b in started.values():
         b.close()
     eager_tokens = started["eager"].ready["tokens"] if "eager" in started else None
-    rows = [row(name, dtype, b, started[b].ready, runs[b], step_bytes[b], eager_tokens, args.prompt_len)
+    rows = [row(name, dtype, b, started[b].ready, runs[b], step_bytes[b], eager_tokens)
             for b in started]
     rows += [dict(model=name, dtype=dtype, backend=b, error=e) for b, e in errors.items()]
     return rows

@@ -27,7 +27,7 @@ import argparse
 import os
 import sys
 
-from kwker.threads import SPIN_VARIABLES
+from kwker.threads import with_short_spin
 
 # PyTorch's CPU performance tuning guide: `oversize_threshold:1` puts every large
 # allocation (activations, Inductor's and eager's temporaries) in jemalloc's own
@@ -74,7 +74,7 @@ def parse_cpus(text: str) -> list[int]:
 def launch_settings(args, environ, allowed_cpus) -> tuple[dict, list[int] | None]:
     """The environment and CPU set for the program: what the options ask, the
     user's own variables kept. `allowed_cpus` are the CPUs this process may use."""
-    env = dict(environ)
+    env = with_short_spin(environ)
     cpus = None
     if args.cpus is not None:
         cpus = parse_cpus(args.cpus)
@@ -85,12 +85,9 @@ def launch_settings(args, environ, allowed_cpus) -> tuple[dict, list[int] | None
             raise SystemExit(f"kwker.run: --threads {args.threads}: expected at least 1")
         if cpus is None and args.threads < len(allowed_cpus):
             cpus = sorted(allowed_cpus)[:args.threads]
-    if args.threads is not None:
         env["OMP_NUM_THREADS"] = str(args.threads)
     else:
         env.setdefault("OMP_NUM_THREADS", str(len(cpus or allowed_cpus)))
-    if not any(name in environ for name in SPIN_VARIABLES):
-        env["GOMP_SPINCOUNT"] = "10000"
     if args.jemalloc:
         preload = [p for p in environ.get("LD_PRELOAD", "").split(":") if p]
         env["LD_PRELOAD"] = ":".join([find_jemalloc()] + preload)

@@ -21,6 +21,16 @@ SPIN_VARIABLES = ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY", "KMP_BLOCKTIME")
 _warned = False
 
 
+def with_short_spin(environ) -> dict:
+    """A copy of `environ` with GOMP_SPINCOUNT=10000 (README, "Threads") unless it
+    already chooses a wait policy: what kwker.run gives a program, and bench/peers.py
+    every backend."""
+    env = dict(environ)
+    if not any(name in environ for name in SPIN_VARIABLES):
+        env["GOMP_SPINCOUNT"] = "10000"
+    return env
+
+
 def openmp_spin_hint(n_threads: int, n_cpus: int, environ=os.environ) -> str | None:
     """Why and how to shorten OpenMP's spinning, or None when it cannot matter:
     the user chose a wait policy, OpenMP is absent, or both pools fit the CPUs
