@@ -7,7 +7,7 @@ the same function, for ``torch.compile(model, backend=kwker.backend)``.
 
 from importlib.metadata import version as _version
 
-__all__ = ["__version__", "backend", "compile_config", "report"]
+__all__ = ["__version__", "backend", "compile_config", "guard_filter", "report"]
 __version__ = _version("kwker")
 
 
@@ -18,14 +18,21 @@ def compile_config(**kwargs):
       name up at once race in torch's registry ("duplicate name: kwker");
     - ``mode=None``: CompileConfig's default "reduce-overhead" would clash with
       ``options=``;
+    - ``options={"guard_filter_fn": kwker.guard_filter}``: Dynamo's guards on
+      the parameters that kwker's plan checks again itself are dropped
+      (kwker.guards; ``"guard_filter_fn": None`` keeps every guard); other
+      options given are added to it;
     - ``_compile_all_devices``, without which generate() compiles nothing on a CPU.
 
     Keyword arguments override these."""
     from transformers import CompileConfig
 
     from kwker.dynamo_backend import kwker_backend
+    from kwker.guards import guard_filter
 
-    config = CompileConfig(**{"backend": kwker_backend, "mode": None, "fullgraph": True, **kwargs})
+    options = {"guard_filter_fn": guard_filter, **(kwargs.pop("options", None) or {})}
+    config = CompileConfig(**{"backend": kwker_backend, "mode": None, "fullgraph": True, "options": options,
+                              **kwargs})
     config._compile_all_devices = True
     return config
 
@@ -44,4 +51,8 @@ def __getattr__(name):
         from kwker.dynamo_backend import kwker_backend
 
         return kwker_backend
+    if name == "guard_filter":
+        from kwker.guards import guard_filter
+
+        return guard_filter
     raise AttributeError(f"module 'kwker' has no attribute {name!r}")

@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from kwker import _C, summary
+from kwker import _C, guards, summary
 from kwker.aten_graph import trace_to_aten
 from kwker.decode import compile_decode_step
 from kwker.lower import NotLowerable
@@ -27,6 +27,7 @@ def kwker_backend(gm: torch.fx.GraphModule, example_inputs, *, mode=None, option
     start = time.perf_counter()
     route = route_graph(gm, example_inputs, torch.is_grad_enabled())
     kind, compiled, detail = compile_routed(route.path, gm, example_inputs, opts)
+    guards.note_graph(gm, compiled, torch.is_grad_enabled())
     seconds = time.perf_counter() - start
     entry = summary.record(kind=kind, nodes=len(gm.graph.nodes), seconds=seconds, reason=route.reason, **detail)
     log.info("graph %d (%d nodes): %s in %.2f s — %s", entry.index, entry.nodes, kind, seconds, entry.why)

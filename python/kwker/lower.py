@@ -49,8 +49,9 @@ def storage_key(t: torch.Tensor) -> int:
 
 
 class _Lowering:
-    def __init__(self, gm: torch.fx.GraphModule, example_inputs, copies: dict[str, CopiedWeight]):
-        self.gm, self.example_inputs, self.copies = gm, example_inputs, copies
+    def __init__(self, gm: torch.fx.GraphModule, example_inputs, copies: dict[str, CopiedWeight],
+                 input_names: list[str] | None):
+        self.gm, self.example_inputs, self.copies, self.input_names = gm, example_inputs, copies, input_names
         self.b = _C.PlanBuilder()
         self.buffers: dict[int, tuple[int, int]] = {}  # storage -> (buffer id, element offset of its start)
         self.views: dict[tuple, int] = {}
@@ -74,7 +75,8 @@ class _Lowering:
         key = storage_key(val(node))
         if key in self.buffers:
             raise NotLowerable(f"inputs share storage ({node.name})")
-        buf = self.b.input(node.name, t.dtype, tuple(t.shape), tuple(t.stride()), arg=index)
+        name = self.input_names[index] if self.input_names else node.name
+        buf = self.b.input(name, t.dtype, tuple(t.shape), tuple(t.stride()), arg=index, type=type(t))
         self.buffers[key] = (buf, t.storage_offset())
 
     def declare_constant(self, node: Node, tensor: torch.Tensor):
@@ -465,9 +467,12 @@ INPLACE_LOWERINGS = {
 }
 
 
-def lower_to_plan(gm: torch.fx.GraphModule, example_inputs, copies: list[CopiedWeight]):
+def lower_to_plan(gm: torch.fx.GraphModule, example_inputs, copies: list[CopiedWeight],
+                  input_names: list[str] | None = None):
     """A Plan that, called with Dynamo's flat inputs, does what gm does, and the
-    lowering's report. copies: kwker's weight copies among gm's attributes."""
-    lowering = _Lowering(gm, example_inputs, {c.attr: c for c in copies})
+    lowering's report. copies: kwker's weight copies among gm's attributes.
+    input_names: what the plan's errors call each input (default: gm's
+    placeholder names)."""
+    lowering = _Lowering(gm, example_inputs, {c.attr: c for c in copies}, input_names)
     plan = lowering.run()
     return plan, lowering.report

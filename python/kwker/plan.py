@@ -10,6 +10,7 @@ weights packed into the same copies.
 """
 
 import logging
+import re
 from collections.abc import Callable
 
 import torch
@@ -45,7 +46,7 @@ def compile_plan(gm: torch.fx.GraphModule, example_inputs, glue: bool = True, cl
         counts, copies = rewrite_language_model(aten_gm, params, glue=glue, arena=arena)
     finally:
         arena.close()
-    plan, report = lower_to_plan(aten_gm, example_inputs, copies)
+    plan, report = lower_to_plan(aten_gm, example_inputs, copies, dynamo_input_names(gm))
     if copies or scalars:
         refresh = _Refresh(CopiedWeights(copies, {name: i for i, name in enumerate(placeholders)}), scalars, gm, glue,
                            classify, kept)
@@ -53,6 +54,24 @@ def compile_plan(gm: torch.fx.GraphModule, example_inputs, glue: bool = True, cl
     detail = {"rewrites": {k: v for k, v in counts.items() if v}, "fallback_ops": report.fallback_ops,
               "copies": len(copies)}
     return plan, detail
+
+
+_MODULE_STEP = re.compile(r"\._(?:modules|parameters|buffers)\['([^']*)'\]")
+
+
+def dynamo_input_names(gm: torch.fx.GraphModule) -> list[str]:
+    """What each of Dynamo's graph inputs is to the user: a module's tensor by
+    its path in the model ("model.layers.0.mlp.up_proj.weight"), another by its
+    Dynamo source ("L['kwargs']['input_ids']"), else the placeholder's name."""
+    names = []
+    for node in (n for n in gm.graph.nodes if n.op == "placeholder"):
+        source = getattr(node.meta.get("grapharg"), "source", None)
+        if source is None:
+            names.append(node.name)
+            continue
+        path = _MODULE_STEP.findall(source.name)
+        names.append(".".join(path) if path else source.name)
+    return names
 
 
 def inputs_written(aten_gm: torch.fx.GraphModule, example_inputs) -> list[tuple]:

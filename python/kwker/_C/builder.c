@@ -22,6 +22,7 @@ void kw__program_free(kw__program *p) {
     if (!p) return;
     for (int i = 0; i < p->n_inputs; i++) {
         Py_XDECREF(p->inputs[i].name);
+        Py_XDECREF(p->inputs[i].type);
         Py_XDECREF(p->inputs[i].shape_obj);
         Py_XDECREF(p->inputs[i].stride_obj);
     }
@@ -124,7 +125,7 @@ static int buffer_slot(BuilderObject *self, int id) {
 
 /* ---- buffers ------------------------------------------------------------------------ */
 
-static int add_input(BuilderObject *self, PyObject *name, const kw_tensor *t, PyObject *arg_obj) {
+static int add_input(BuilderObject *self, PyObject *name, const kw_tensor *t, PyObject *arg_obj, PyObject *type) {
     kw__program *prog = self->prog;
     const char *cname = PyUnicode_AsUTF8(name);
     if (!cname) return -1;
@@ -151,6 +152,7 @@ static int add_input(BuilderObject *self, PyObject *name, const kw_tensor *t, Py
         .name = Py_NewRef(name),
         .arg = (int)arg,
         .slot = buffer_slot(self, id),
+        .type = (PyTypeObject *)Py_XNewRef(type),
         .t = *t,
         .shape_obj = shape,
         .stride_obj = stride,
@@ -164,14 +166,15 @@ error:
 }
 
 static PyObject *builder_input(PyObject *self_, PyObject *args, PyObject *kw) {
-    static char *names[] = {"name", "dtype", "shape", "strides", "arg", NULL};
-    PyObject *name, *dtype, *shape, *strides = Py_None, *arg = Py_None;
+    static char *names[] = {"name", "dtype", "shape", "strides", "arg", "type", NULL};
+    PyObject *name, *dtype, *shape, *strides = Py_None, *arg = Py_None, *type = NULL;
     BuilderObject *self = open_builder(self_);
-    if (!self || !PyArg_ParseTupleAndKeywords(args, kw, "UOO|O$O:input", names, &name, &dtype, &shape, &strides, &arg))
+    if (!self || !PyArg_ParseTupleAndKeywords(args, kw, "UOO|O$OO!:input", names, &name, &dtype, &shape, &strides, &arg,
+                                              &PyType_Type, &type))
         return NULL;
     kw_tensor t;
     if (parse_layout(dtype, shape, strides, &t)) return NULL;
-    const int id = add_input(self, name, &t, arg);
+    const int id = add_input(self, name, &t, arg, type);
     return id < 0 ? NULL : PyLong_FromLong(id);
 }
 
@@ -540,9 +543,10 @@ static void builder_dealloc(PyObject *self) {
 
 static PyMethodDef builder_methods[] = {
     {"input", (PyCFunction)(void (*)(void))builder_input, METH_VARARGS | METH_KEYWORDS,
-     "input(name, dtype, shape, strides=None, *, arg=None) -> buffer id\n\n"
+     "input(name, dtype, shape, strides=None, *, arg=None, type=None) -> buffer id\n\n"
      "A per-call input: argument `arg` (default: the next position) must be a CPU tensor of exactly\n"
-     "this dtype, shape and strides (strides of size-1 dims aside); its pointer is bound each call."},
+     "this dtype, shape and strides (strides of size-1 dims aside), and of exactly the Python type\n"
+     "`type` when given (torch.Tensor, torch.nn.Parameter); its pointer is bound each call."},
     {"constant", (PyCFunction)(void (*)(void))builder_constant, METH_VARARGS | METH_KEYWORDS,
      "constant(tensor, name=None) -> buffer id\n\nRead-only memory at a fixed address; the plan keeps "
      "the tensor alive."},

@@ -81,6 +81,7 @@ extern PyTypeObject kw__MemoryType;
 typedef struct kw__py_input {
     PyObject *name;
     int arg, slot;
+    PyTypeObject *type;               /* the tensor's exact Python type, checked on each call; NULL: any */
     kw_tensor t;                      /* dtype, shape, strides: checked on each call */
     PyObject *shape_obj, *stride_obj; /* the same as tuples, for messages */
 } kw__py_input;
@@ -117,7 +118,7 @@ extern PyTypeObject kw__PlanBuilderType;
 extern PyTypeObject kw__PlanType;
 extern PyTypeObject kw__WatchType;
 
-/* 1 when `tensor` is not the watch's memory and layout, or that memory was
+/* 1 when `tensor` is not the watch's memory, layout and Python type, or that memory was
  * written since the watch was made or rearmed; 0; -1 with an exception. The
  * two halves: kw__watch_moved (the tensor, with the GIL) and
  * kw_watch_changed(kw__watch_memory(watch)) (the memory, any thread; NULL for a

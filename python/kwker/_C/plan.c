@@ -155,8 +155,9 @@ static PyObject *int64_tuple_or_none(const int64_t *v, int n) {
 static int layout_error(const kw__py_input *in, int code, const char *what, PyObject *expected, PyObject *got) {
     kw__plan_error(code,
                    "input '%U' (argument %d): expected %s %R, got %R. With Dynamo's guards on, a changed input makes "
-                   "Dynamo compile again; this one reached the plan (guards skipped, or dropped by a guard filter): "
-                   "run it once with the guards on, or compile again",
+                   "Dynamo compile again; this one reached the plan because its guard was skipped "
+                   "(skip_guard_eval_unsafe) or dropped (kwker.guard_filter, which kwker.compile_config() installs): "
+                   "compile again (torch._dynamo.reset()), or keep every guard (options={'guard_filter_fn': None})",
                    in->name, in->arg, what, expected, got);
     return -1;
 }
@@ -172,6 +173,8 @@ static int strides_match(const kw_tensor *want, const kw_tensor *got) {
 }
 
 static int bind_input(kw__state *s, const kw__py_input *in, PyObject *arg) {
+    if (in->type && Py_TYPE(arg) != in->type)
+        return layout_error(in, KW_EINVAL, "type", (PyObject *)in->type, (PyObject *)Py_TYPE(arg));
     kw_tensor t;
     if (kw__tensor_read_quick(arg, &t)) {
         char what[160];
@@ -776,6 +779,24 @@ static PyObject *plan_get_last_call(PyObject *self, void *closure) {
                          (double)t[3] / 1e3, "call_us", (double)t[4] / 1e3);
 }
 
+/* The arguments whose type and layout every call checks: the inputs it binds and
+ * the sources of its weight copies (kwker.guards drops Dynamo's guards on these). */
+static PyObject *plan_get_checked_args(PyObject *self, void *closure) {
+    kw__state *s = live_state(self);
+    if (!s) return NULL;
+    PyObject *set = PySet_New(NULL);
+    for (int i = 0; set && i < s->prog->n_inputs + s->n_src; i++) {
+        const struct kw__watched *w = i < s->prog->n_inputs ? NULL : &s->src[i - s->prog->n_inputs];
+        if (w && !w->watch) continue; /* a float the plan was specialised on: its value is checked, not a tensor */
+        PyObject *n = PyLong_FromLong(w ? w->arg : s->prog->inputs[i].arg);
+        if (!n || PySet_Add(set, n)) Py_CLEAR(set);
+        Py_XDECREF(n);
+    }
+    PyObject *res = set ? PyFrozenSet_New(set) : NULL;
+    Py_XDECREF(set);
+    return res;
+}
+
 static PyObject *plan_repr(PyObject *self) {
     kw__state *s = ((PlanObject *)self)->s;
     if (!s) return PyUnicode_FromString("<kwker._C.Plan: cleared>");
@@ -824,6 +845,11 @@ static PyGetSetDef plan_getset[] = {
      "The last call's wall time in µs: 'sources_us' (the copies' sources checked, refreshed if need be),\n"
      "'inputs_us' (inputs checked and bound), 'outputs_us' (fresh outputs made), 'check_us' (the three),\n"
      "'replay_us', 'call_us' (the whole call, returns made too).",
+     NULL},
+    {"checked_args", plan_get_checked_args, NULL,
+     "frozenset of the argument positions whose type, dtype, shape and strides every call checks (the\n"
+     "inputs it binds, typed ones by their exact Python type) or whose memory it watches (the sources\n"
+     "of its weight copies: moved, relaid or written, they are packed again).",
      NULL},
     {"n_steps", plan_get_int, NULL, "Steps in the plan.", (void *)0},
     {"n_barriers", plan_get_int, NULL, "Barriers one replay passes.", (void *)1},

@@ -2,7 +2,8 @@
  * for the weights kwker copies. The watch keeps the tensor's storage alive (a
  * detached alias), so the memory cannot be freed and handed to someone else
  * while it is read-only, and it remembers the tensor's address and layout, so
- * that `param.data = other` is told apart from the same memory. */
+ * that `param.data = other` is told apart from the same memory, and its exact
+ * Python type, as Dynamo's tensor guard would. */
 #include <errno.h>
 
 #include "kw_binding.h"
@@ -12,6 +13,7 @@ typedef struct WatchObject {
     PyObject_HEAD
     kw_watch *w;     /* NULL for a tensor of zero bytes: nothing to watch */
     PyObject *alias; /* tensor.detach() */
+    PyTypeObject *type; /* type(tensor) */
     kw_tensor t;     /* the address and layout watched */
 } WatchObject;
 
@@ -28,6 +30,7 @@ int kw__watch_moved(PyObject *watch, PyObject *tensor) {
         return -1;
     }
     WatchObject *self = (WatchObject *)watch;
+    if (Py_TYPE(tensor) != self->type) return 1;
     kw_tensor now;
     if (kw__tensor_read_quick(tensor, &now) && kw__tensor_read(tensor, "a watched tensor", &now)) return -1;
     return now.data != self->t.data || !same_layout(&now, &self->t);
@@ -59,6 +62,7 @@ static PyObject *watch_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     WatchObject *self = (WatchObject *)type->tp_alloc(type, 0);
     if (!self) return NULL;
     self->t = t;
+    self->type = (PyTypeObject *)Py_NewRef(Py_TYPE(tensor));
     self->alias = PyObject_CallMethod(tensor, "detach", NULL);
     if (!self->alias) {
         Py_DECREF(self);
@@ -101,6 +105,7 @@ static void watch_dealloc(PyObject *self_) {
     WatchObject *self = (WatchObject *)self_;
     kw_watch_free(self->w); /* writable again before the storage can go */
     Py_XDECREF(self->alias);
+    Py_XDECREF(self->type);
     Py_TYPE(self_)->tp_free(self_);
 }
 

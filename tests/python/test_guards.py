@@ -1,0 +1,188 @@
+"""kwker.guard_filter (kwker.guards): Dynamo's tensor guards on the parameters
+and buffers a plan checks again are dropped, every other guard is kept, and
+what a dropped guard would have caught between two generate() calls gives
+eager's tokens or a PlanError naming the parameter."""
+
+import re
+
+import pytest
+import torch
+
+import kwker
+from kwker import _C, summary
+from kwker.guards import guard_filter
+from kwker.testing import small_model
+
+pytestmark = pytest.mark.usefixtures("fresh_compile_state")
+
+PROMPT = torch.tensor([[3, 17, 42, 9, 7, 12, 5, 30]])
+
+
+def greedy(model, compile_config=None):
+    return model.generate(PROMPT, max_new_tokens=8, do_sample=False, cache_implementation="static",
+                          compile_config=compile_config).tolist()
+
+
+def recording_filter():
+    """kwker.guard_filter, and the list it appends each frame's guards to, with
+    what it kept. A function, not an object: CompileConfig deep-copies its
+    options, which copies an object but not a function."""
+    frames = []
+
+    def record(entries):
+        keep = guard_filter(entries)
+        frames.append(list(zip(entries, keep)))
+        return keep
+
+    return record, frames
+
+
+def module_tensor_names(model) -> set[str]:
+    return {name for name, _ in model.named_parameters(remove_duplicate=False)} | \
+        {name for name, _ in model.named_buffers(remove_duplicate=False)}
+
+
+def dotted(guard_name: str) -> str:
+    """args[0]._modules['model']._parameters['w'] -> model.w"""
+    return ".".join(re.findall(r"\['([^']*)'\]", guard_name))
+
+
+def test_the_filter_drops_the_tensor_guards_of_every_module_tensor_of_a_replayed_step_and_nothing_else():
+    model = small_model("llama")
+    record, frames = recording_filter()
+    assert greedy(model, kwker.compile_config(options={"guard_filter_fn": record})) == greedy(model)
+    assert [g.kind for g in summary.graphs()] == ["decode-replay"], kwker.report()
+    (frame,) = frames
+    dropped = [e for e, keep in frame if not keep]
+    assert {e.guard_type for e in dropped} == {"TENSOR_MATCH"}
+    tensor_guards = [e for e, _ in frame if e.guard_type == "TENSOR_MATCH"]
+    in_model = {dotted(e.name) for e in tensor_guards if e.name.startswith("args[0]")}
+    assert in_model and in_model <= module_tensor_names(model)
+    assert {dotted(e.name) for e in dropped} == in_model  # every parameter and buffer the step reads
+    kept_tensors = {e.name for e, keep in frame if keep and e.guard_type == "TENSOR_MATCH"}
+    assert {"kwargs['input_ids']", "kwargs['cache'].layers[0].keys"} <= kept_tensors  # the call's own arguments
+    assert len(frame) - len(dropped) > 500  # module structure, globals, the cache's attributes: all kept
+
+
+def test_a_step_kwker_does_not_replay_keeps_every_guard():
+    model = small_model("llama")
+    record, frames = recording_filter()
+    assert greedy(model, kwker.compile_config(options={"guard_filter_fn": record, "inner": "inductor"})) == \
+        greedy(model)
+    assert "decode-replay" not in [g.kind for g in summary.graphs()], kwker.report()
+    assert all(keep for frame in frames for _, keep in frame)
+
+
+@pytest.fixture
+def plan_kept(monkeypatch):
+    """The tuner keeps kwker's plan, whichever candidate this machine times fastest."""
+    from kwker import dynamo_backend, tune
+
+    def plan_only(builders, inputs, reference):
+        return tune.choose({"plan": builders["plan"]}, inputs, reference="plan")
+
+    monkeypatch.setattr(dynamo_backend, "choose", plan_only)
+
+
+def mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.SiLU(), torch.nn.Linear(256, 64)).eval()
+
+
+@pytest.mark.usefixtures("plan_kept")
+def test_a_plan_compiled_with_grad_enabled_keeps_every_guard():
+    model = mlp().requires_grad_(False)  # grad enabled, no input requires it: an inference graph
+    record, frames = recording_filter()
+    compiled = torch.compile(model, backend="kwker", options={"guard_filter_fn": record})
+    x = torch.randn(1, 64)
+    torch.testing.assert_close(compiled(x), model(x))
+    assert [g.choice for g in summary.graphs()] == ["plan"], kwker.report()
+    assert frames and all(keep for frame in frames for _, keep in frame)
+
+
+@pytest.mark.usefixtures("plan_kept")
+def test_a_tuned_graph_that_kept_kwkers_plan_drops_its_parameters_guards_and_reads_them_as_they_are():
+    model = mlp()
+    record, frames = recording_filter()
+    compiled = torch.compile(model, backend="kwker", options={"guard_filter_fn": record})
+    x = torch.randn(1, 64)
+    with torch.no_grad():
+        compiled(x)
+        assert [g.choice for g in summary.graphs()] == ["plan"], kwker.report()
+        dropped = {dotted(e.name) for frame in frames for e, keep in frame if not keep}
+        assert dropped == {"0.weight", "0.bias", "2.weight", "2.bias"}
+        model[2].weight.mul_(-1.0)
+        model[0].bias.data = torch.randn(256)
+        torch.testing.assert_close(compiled(x), model(x))
+        model[0].weight.data = torch.randn(128, 64)  # eager raises too (2.weight takes 256 features)
+        with pytest.raises(_C.PlanError, match=r"'0\.weight'.*expected shape \(256, 64\), got \(128, 64\)"):
+            compiled(x)
+
+
+# ---- what a dropped guard would have caught, between two generate() calls ----------------------
+
+
+def _widen_mlp(model):
+    mlp = model.model.layers[1].mlp
+    mlp.gate_proj.weight.data = torch.randn(96, 64).bfloat16().float()
+    mlp.up_proj.weight.data = torch.randn(96, 64).bfloat16().float()
+    mlp.down_proj.weight.data = torch.randn(64, 96).bfloat16().float()
+
+
+def _replace_parameter(model):
+    model.model.layers[0].self_attn.o_proj.weight = torch.nn.Parameter(torch.randn(64, 64).bfloat16().float())
+
+
+def _relayout_parameter(model):
+    weight = model.model.layers[0].self_attn.o_proj.weight
+    weight.data = weight.data.t().contiguous().t()
+
+
+def _reassign_buffer(model):
+    model.model.rotary_emb.inv_freq = model.model.rotary_emb.inv_freq * 0.5
+
+
+def _edit_buffer_in_place(model):
+    model.model.rotary_emb.inv_freq.mul_(0.5)
+
+
+def _model_to_bfloat16(model):
+    model.to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("change", [_widen_mlp, _replace_parameter, _relayout_parameter, _reassign_buffer,
+                                    _edit_buffer_in_place, _model_to_bfloat16])
+def test_a_change_a_dropped_guard_would_have_caught_gives_eagers_tokens(change):
+    model = small_model("llama")
+    config = kwker.compile_config()
+    assert greedy(model, config) == greedy(model)
+    change(model)
+    want = greedy(model)
+    assert greedy(model, config) == want
+    assert set(g.kind for g in summary.graphs()) == {"decode-replay"}, kwker.report()
+
+
+def test_a_parameter_bound_as_it_is_that_changes_dtype_raises_a_plan_error_naming_it():
+    model = small_model("llama")
+    config = kwker.compile_config()
+    assert greedy(model, config) == greedy(model)
+    model.model.norm.weight.data = model.model.norm.weight.data.bfloat16()
+    greedy(model)  # eager runs it (the norm casts back to float32)
+    with pytest.raises(_C.PlanError, match=r"'model\.norm\.weight'.*expected dtype torch\.float32, got "
+                                           r"torch\.bfloat16.*guard_filter_fn"):
+        greedy(model, config)
+    torch._dynamo.reset()  # what the error says: compile again
+    assert greedy(model, config) == greedy(model)
+
+
+def test_a_parameter_of_another_python_type_raises_a_plan_error_naming_it():
+    class TaggedParameter(torch.nn.Parameter):  # its own __torch_function__ could change what every op does
+        pass
+
+    model = small_model("llama")
+    config = kwker.compile_config()
+    assert greedy(model, config) == greedy(model)
+    norm = model.model.norm
+    norm.weight = TaggedParameter(norm.weight.detach().clone())
+    with pytest.raises(_C.PlanError, match=r"'model\.norm\.weight'.*expected type .*Parameter.*TaggedParameter"):
+        greedy(model, config)
