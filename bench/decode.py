@@ -161,7 +161,7 @@ def measure_backend(model, ids, backend, new_tokens, repeats, max_cache_len, ste
     Then steady_generates: decode time per token, the decode step's time and
     its roofline fraction, medians over the generates; for a compiled backend
     again under torch.compiler.set_stance(skip_guard_eval_unsafe=True) (README,
-    "Skipping Dynamo's guards"), which shows what Dynamo's guard check costs a
+    "The guards kwker drops"), which shows what Dynamo's guard check costs a
     step. The compile in this process (the first call less a warm two-token
     generate) goes to the JSON; the table's first compile comes from a fresh
     process (first_compile). The logits of the first decode step come untimed."""
