@@ -3,6 +3,8 @@
 #include <cpuid.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include "kw_ops.h"
 
@@ -10,6 +12,16 @@ static unsigned long long xgetbv0(void) {
     unsigned int lo, hi;
     __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
     return ((unsigned long long)hi << 32) | lo;
+}
+
+/* AMX tile state is saved by the OS (XCR0 bits 17, 18), and Linux lets this
+ * process use it: tile data is 8 KiB per thread, so Linux asks each process to
+ * request it once (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA); a
+ * tile instruction without it faults. */
+static int amx_permitted(unsigned long long xcr0) {
+    enum { ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18 };
+    if ((xcr0 & (3ull << 17)) != (3ull << 17)) return 0;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
 }
 
 static kw_isa detect_isa(void) {
@@ -23,13 +35,15 @@ static kw_isa detect_isa(void) {
     if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return KW_ISA_SCALAR;
     const int avx2 = (b >> 5) & 1, avx512f = (b >> 16) & 1, avx512dq = (b >> 17) & 1,
               avx512bw = (b >> 30) & 1, avx512vl = (b >> 31) & 1;
+    const int amx_bf16 = (d >> 22) & 1, amx_tile = (d >> 24) & 1;
     unsigned int a1 = 0, b1, c1, d1;
     __get_cpuid_count(7, 1, &a1, &b1, &c1, &d1);
     const int avx512bf16 = (a1 >> 5) & 1;
 
     if (!(os_avx && avx2 && fma && f16c)) return KW_ISA_SCALAR;
     if (!(os_avx512 && avx512f && avx512dq && avx512bw && avx512vl)) return KW_ISA_AVX2;
-    return avx512bf16 ? KW_ISA_AVX512BF16 : KW_ISA_AVX512;
+    if (!avx512bf16) return KW_ISA_AVX512;
+    return amx_bf16 && amx_tile && amx_permitted(xcr0) ? KW_ISA_AMX : KW_ISA_AVX512BF16;
 }
 
 const char *kw_isa_name(kw_isa isa) {

@@ -10,7 +10,8 @@
     X(SCALAR, "scalar")        \
     X(AVX2, "avx2")            \
     X(AVX512, "avx512")        \
-    X(AVX512BF16, "avx512bf16")
+    X(AVX512BF16, "avx512bf16") \
+    X(AMX, "amx")
 
 typedef enum kw_isa {
 #define KW__ISA_ENUM(id, name) KW_ISA_##id,
@@ -19,8 +20,10 @@ typedef enum kw_isa {
     KW_ISA_COUNT
 } kw_isa;
 
-/* The best ISA this CPU and OS support (CPUID + XGETBV), capped by the
- * environment variable KWKER_ISA=<name> when set. */
+/* The best ISA this CPU and OS support (CPUID + XGETBV; for AMX, Linux's
+ * permission to use tile data as well), capped by the environment variable
+ * KWKER_ISA=<name> when set. AMX is AVX512-BF16 plus AMX-BF16 tiles: ops without
+ * an AMX kernel run their AVX512-BF16 one there (KW__PICK). */
 kw_isa kw_cpu_isa(void);
 const char *kw_isa_name(kw_isa isa);
 
@@ -100,6 +103,18 @@ enum {
      * the bytes) and matmul_dnnl as stored; on a 2-vCPU Intel Xeon linear took
      * 15.2 ms against 17.3 at M = 16, 26.8 against 23.2 at M = 32. */
     KW_DNNL_MIN_M_F32_BF16_COPY = 32,
+    /* On an AMX CPU linear runs its tile kernel (ops/linear_amx.c) over bf16
+     * weights from KW_AMX_MIN_M rows of x, and the crossovers move. On a 2-vCPU
+     * Xeon (bench/ops.py, Llama-3.2-1B's MLP, 2 threads), bf16 x: linear 4.1-4.3
+     * ms at M = 1 against 4.6-4.8 for the AVX-512 kernel, 10.6-11.0 against
+     * 19.8-36.7 at M = 32, and against oneDNN 16.4 / 16.8 at M = 64, 33.6 / 26.1
+     * at M = 128; f32 x over the bf16 copy: 4.2 against 4.4-5.1 at M = 1, 5.7
+     * against 9.2-10.3 at M = 8, and against oneDNN (f32 weights) 68 / 81 at
+     * M = 128, the largest measured. The lowering reads the crossovers for the
+     * CPU it runs on (kwker._C.op_params). */
+    KW_DNNL_MIN_M_BF16_AMX = 128,
+    KW_DNNL_MIN_M_F32_BF16_COPY_AMX = 256,
+    KW_AMX_MIN_M = 1,
 };
 
 /* How an op touches a tensor slot; capture's liveness and validation read this. */

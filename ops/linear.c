@@ -25,6 +25,14 @@ static int lin_check_out(const kw_call *c, const char *op, int j, const kw__lin 
     return 0;
 }
 
+/* The AMX kernel's terms: bf16 weights, enough rows of x, K in pairs, and
+ * every output whole groups of 16 weight rows. */
+static int amx_fits(const kw__lin *g) {
+    int whole_groups = 1;
+    for (int j = 0; j < g->n_out; j++) whole_groups &= g->out[j].n % 16 == 0;
+    return g->wt == KW_BF16 && g->M >= KW_AMX_MIN_M && g->kblk % 2 == 0 && whole_groups;
+}
+
 int kw__lin_prepare(const kw_call *c, const char *op, int n_out, kw_isa isa, kw__lin *g, char *msg, size_t len) {
     const kw_tensor *x = &c->t[n_out], *w = &c->t[n_out + 1], *b = &c->t[n_out + 2];
     int err;
@@ -77,6 +85,10 @@ int kw__lin_prepare(const kw_call *c, const char *op, int n_out, kw_isa isa, kw_
     }
     g->acts = KW__PICK(kw__linear_acts, isa);
     g->rows = KW__PICK(kw__linear_rows, isa);
+    if (isa >= KW_ISA_AMX && amx_fits(g)) {
+        g->amx_parts = g->xt == KW_BF16 ? 1 : 3;
+        g->acts = kw__linear_acts_amx, g->rows = kw__linear_rows_amx, g->done = kw__linear_done_amx;
+    }
     return 0;
 }
 
@@ -110,10 +122,12 @@ void kw__linear_run(const kw_call *c, const kw__lin *prepared, int ith, int nth)
     for (int j = 0; j < g.n_out; j++) g.out[j].y = c->t[j].data;
     void *work = kw__work(c, ith);
     int64_t own = 0, n0, n1;
-    for (int laid_out = 0; kw__lin_claim(&g, c->share, &own, ith, nth, &n0, &n1); laid_out = 1) {
-        if (!laid_out) g.acts(&g, work);
+    int laid_out = 0;
+    while (kw__lin_claim(&g, c->share, &own, ith, nth, &n0, &n1)) {
+        if (!laid_out) g.acts(&g, work), laid_out = 1;
         g.rows(&g, n0, n1, work);
     }
+    if (laid_out && g.done) g.done(&g);
 }
 
 static void linear_kernel(const kw_call *c, int ith, int nth) { kw__linear_run(c, c->prep, ith, nth); }

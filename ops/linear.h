@@ -21,6 +21,10 @@ typedef struct kw__lin kw__lin;
  * [n0, n1) of every output row, as many times as the thread claims rows. */
 KW__VARIANTS(void, kw__linear_acts, (const kw__lin *g, void *work))
 KW__VARIANTS(void, kw__linear_rows, (const kw__lin *g, int64_t n0, int64_t n1, void *work))
+/* On AMX, for bf16 weights from KW_AMX_MIN_M rows of x (ops/linear_amx.c). */
+void kw__linear_acts_amx(const kw__lin *g, void *work);
+void kw__linear_rows_amx(const kw__lin *g, int64_t n0, int64_t n1, void *work);
+void kw__linear_done_amx(const kw__lin *g);
 
 struct kw__lin {
     const char *x; /* M rows of K, row stride xs */
@@ -39,8 +43,10 @@ struct kw__lin {
     int slots;  /* the call's output slots before x: 1, or KW__LIN_MAX_OUT (linear_multi) */
     int n_out;  /* weight rows are split over the outputs given, in order */
     kw__lin_out out[KW__LIN_MAX_OUT];
+    int amx_parts; /* on the AMX kernel, the bf16 parts x is split into (1 for bf16 x, 3 for f32); else 0 */
     void (*acts)(const kw__lin *g, void *work);
     void (*rows)(const kw__lin *g, int64_t n0, int64_t n1, void *work);
+    void (*done)(const kw__lin *g); /* after a thread's last rows of a call; NULL: nothing to do */
 };
 
 /* The linear family's kernel body on a prepared call: binds this replay's data
@@ -102,7 +108,14 @@ static inline int kw__lin_claim(const kw__lin *g, uint64_t *share, int64_t *own,
  * widest vector's 32 bf16. */
 static inline int64_t kw__lin_block_padded(int64_t kblk) { return (kblk + 31) / 32 * 32; }
 
+/* One part of x in the AMX kernel's B tiles: M rows × every step of 32 along K
+ * (each block of K padded to whole steps) × 2 bf16. */
+static inline size_t kw__lin_amx_part_bytes(const kw__lin *g) {
+    return (size_t)(g->M * (g->K / g->kblk) * kw__lin_block_padded(g->kblk)) * 2;
+}
+
 static inline size_t kw__lin_acts_bytes(const kw__lin *g) {
+    if (g->amx_parts) return ((size_t)g->amx_parts * kw__lin_amx_part_bytes(g) + 63) / 64 * 64;
     const int64_t floats = g->wt == KW_BF16 ? g->M * (g->K / g->kblk) * kw__lin_block_padded(g->kblk) : 0;
     return ((size_t)floats * sizeof(float) + 63) / 64 * 64;
 }

@@ -10,6 +10,7 @@
 #include <math.h>
 
 #include "kw_ops_impl.h"
+#include "linear.h"
 #include "test_ops_util.h"
 
 static tt_tol lin_tol(kw_dtype yt, int64_t K) {
@@ -100,6 +101,53 @@ Test(linear, long_rows_and_many_outputs) {
         make_x_w(&k, 1, 2, pairs[p][0], pairs[p][1], M, K, N, &r);
         tt_tensor(&k, 0, pairs[p][0], 2, TT_DIMS(M, N), NULL, 0, 0, &r);
         tt_check_variants(KW_OP_LINEAR, &k, lin_tol(pairs[p][0], K), "long rows");
+        tt_free(&k);
+    }
+}
+
+/* Whether the call, prepared for this CPU, runs linear's AMX kernel. */
+static int runs_on_amx(kw_op_id op, const kw_call *c) {
+    kw__lin prep;
+    kw_call call = *c;
+    char msg[256];
+    cr_assert_eq(kw_op_prepare(op, &call, kw_cpu_isa(), &prep, msg, sizeof msg), 0, "%s", msg);
+    return prep.rows == kw__linear_rows_amx;
+}
+
+/* Shapes the AMX kernel takes (bf16 weights in groups of 16 rows, K in pairs),
+ * with bf16 and f32 x: every variant against the reference, across blocks of 16
+ * rows of x, steps of K shorter than 32, K-blocked weights, padded rows and
+ * outputs split at groups. On an AMX CPU the kernel must be the one that ran;
+ * elsewhere these are AVX-512 cases. */
+Test(linear, amx_shapes_match_the_reference) {
+    tt_rng r = {21};
+    static const int64_t Ms_amx[] = {1, 2, 3, 5, 8, 15, 16, 17, 31, 33};
+    static const int64_t Ks_amx[] = {2, 30, 32, 34, 64, 100, 960};
+    static const int64_t Ns_amx[] = {16, 32, 48, 80};
+    const int amx = kw_cpu_isa() >= KW_ISA_AMX;
+    for (int trial = 0; trial < 120; trial++) {
+        const kw_dtype xt = trial % 2 ? KW_F32 : KW_BF16;
+        const int64_t M = Ms_amx[trial / 2 % 10], K = PICK(Ks_amx, &r), N = PICK(Ns_amx, &r);
+        const int blocked = trial % 5 == 4 && K % 2 == 0 && K >= 32, multi = trial % 3 == 1;
+        tt_case k = {0};
+        const kw_op_id op = multi ? KW_OP_LINEAR_MULTI : KW_OP_LINEAR;
+        const int xslot = multi ? 4 : 1;
+        if (multi) { /* outputs of 16, then the rest */
+            tt_padded(&k, 0, xt, 2, TT_DIMS(M, 16), tt_int(&r, 0, 2), 0, 0, &r);
+            if (N > 16) tt_padded(&k, 1, xt, 2, TT_DIMS(M, N - 16), tt_int(&r, 0, 2), 0, 0, &r);
+        } else {
+            tt_padded(&k, 0, xt, 3, TT_DIMS(1, M, N), tt_int(&r, 0, 1) * 3, 0, 0, &r);
+        }
+        tt_padded(&k, xslot, xt, 2, TT_DIMS(M, K), tt_int(&r, 0, 1) * tt_int(&r, 1, 9), -1, 1, &r);
+        if (blocked) make_blocked_w(&k, xslot + 1, KW_BF16, K, N, K / 2 % 2 ? K : K / 2, &r);
+        else tt_padded(&k, xslot + 1, KW_BF16, 2, TT_DIMS(N, K), tt_int(&r, 0, 1) * 5, -1, 1, &r);
+        if (trial % 4 == 0) tt_tensor(&k, xslot + 2, tt_int(&r, 0, 1) ? KW_F32 : KW_BF16, 1, TT_DIMS(N), NULL, -1, 1, &r);
+        char what[96];
+        snprintf(what, sizeof what, "%s x %s M=%lld K=%lld N=%lld%s", multi ? "linear_multi" : "linear",
+                 kw_dtype_name(xt), (long long)M, (long long)K, (long long)N, blocked ? " k-blocked" : "");
+        cr_assert_eq(runs_on_amx(op, &k.c), amx && M >= KW_AMX_MIN_M, "%s: the AMX kernel %s", what,
+                     amx && M >= KW_AMX_MIN_M ? "did not run" : "ran");
+        tt_check_variants(op, &k, lin_tol(xt, K), what);
         tt_free(&k);
     }
 }

@@ -249,18 +249,18 @@ def test_the_weight_reservation_holds_exactly_what_the_rewrite_copies(dtype, bia
     assert reserved - 64 * len(copies) <= used <= reserved
 
 
-@pytest.mark.parametrize("dtype, bf16_valued, by_dnnl", [
-    (torch.float32, False, 2 * 7 + 1),  # every linear, q/k/v and gate/up unstacked: M = 8 is past f32's crossover
-    (torch.bfloat16, False, 2 * 7 + 1),
-    (torch.float32, True, 0),  # bf16-valued: read as bf16 copies by kwker's linear below M = 32
+@pytest.mark.parametrize("dtype, bf16_valued", [
+    (torch.float32, False),  # every linear, q/k/v and gate/up unstacked past the crossover
+    (torch.bfloat16, False),  # the crossover is this CPU's: 128 rows with AMX, 8 without
+    (torch.float32, True),  # bf16-valued: read as bf16 copies by kwker's linear below the crossover
 ])
-def test_a_batch_past_onednns_crossover_runs_its_linears_there_with_eagers_tokens(dtype, bf16_valued, by_dnnl,
-                                                                                 monkeypatch):
+def test_a_batch_past_onednns_crossover_runs_its_linears_there_with_eagers_tokens(dtype, bf16_valued, monkeypatch):
     """From the rows where oneDNN's matmul measured faster (kw_ops.h's
     KW_DNNL_MIN_M_*), linears read their weights as stored, each as a
-    matmul_dnnl step; below, kwker's linear reads copies (bf16, stacked)."""
+    matmul_dnnl step; one row below, kwker's linear reads copies (bf16, stacked)."""
     import kwker.decode
     import kwker.dynamo_backend
+    from kwker.weights import DNNL_MIN_ROWS, DNNL_MIN_ROWS_OVER_BF16_COPY
 
     plans = []
 
@@ -273,13 +273,16 @@ def test_a_batch_past_onednns_crossover_runs_its_linears_there_with_eagers_token
     model = random_model(make_config("LlamaConfig", vocab_size=64, hidden_size=64, intermediate_size=160,
                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                      max_position_embeddings=256), dtype=dtype, bf16_valued=bf16_valued)
-    ids = torch.randint(1, 64, (8, 8), generator=torch.Generator().manual_seed(0))
-    kw = dict(max_new_tokens=8, do_sample=False, cache_implementation="static")
-    assert model.generate(ids, compile_config=kwker.compile_config(), **kw).tolist() == model.generate(ids, **kw).tolist()
-    (plan,) = plans
-    steps = plan.dump()
-    assert steps.count("matmul_dnnl") == by_dnnl, steps
-    assert ("linear_multi" in steps) == (by_dnnl == 0), steps
+    crossover = DNNL_MIN_ROWS_OVER_BF16_COPY if bf16_valued else DNNL_MIN_ROWS[dtype]
+    kw = dict(max_new_tokens=4, do_sample=False, cache_implementation="static")
+    for batch, by_dnnl in ((crossover - 1, 0), (crossover, 2 * 7 + 1)):
+        torch._dynamo.reset()
+        ids = torch.randint(1, 64, (batch, 8), generator=torch.Generator().manual_seed(batch))
+        assert model.generate(ids, compile_config=kwker.compile_config(), **kw).tolist() == \
+            model.generate(ids, **kw).tolist()
+        steps = plans[-1].dump()
+        assert steps.count("matmul_dnnl") == by_dnnl, (batch, steps)
+        assert ("linear_multi" in steps) == (by_dnnl == 0), (batch, steps)
 
 
 class _ScratchWrite(torch.nn.Module):

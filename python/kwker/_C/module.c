@@ -26,9 +26,10 @@ static PyObject *op_names(PyObject *self, PyObject *unused) {
 }
 
 /* The values of the ops' integer parameters (kw_ops.h), by name, so that Python
- * never repeats a C constant. */
+ * never repeats a C constant; oneDNN's crossovers as they are for this CPU. */
 static PyObject *op_params(PyObject *self, PyObject *unused) {
-    static const struct {
+    const int amx = kw_cpu_isa() >= KW_ISA_AMX;
+    const struct {
         const char *name;
         int value;
     } params[] = {
@@ -38,8 +39,8 @@ static PyObject *op_params(PyObject *self, PyObject *unused) {
         {"GELU_ERF", KW_GELU_ERF},
         {"GELU_TANH", KW_GELU_TANH},
         {"DNNL_MIN_M_F32", KW_DNNL_MIN_M_F32},
-        {"DNNL_MIN_M_BF16", KW_DNNL_MIN_M_BF16},
-        {"DNNL_MIN_M_F32_BF16_COPY", KW_DNNL_MIN_M_F32_BF16_COPY},
+        {"DNNL_MIN_M_BF16", amx ? KW_DNNL_MIN_M_BF16_AMX : KW_DNNL_MIN_M_BF16},
+        {"DNNL_MIN_M_F32_BF16_COPY", amx ? KW_DNNL_MIN_M_F32_BF16_COPY_AMX : KW_DNNL_MIN_M_F32_BF16_COPY},
 #define KW__BINARY_ENTRY(id, name) {"BINARY_" #id, KW_BINARY_##id},
         KW_BINARY_OPS(KW__BINARY_ENTRY)
 #undef KW__BINARY_ENTRY

@@ -1,0 +1,187 @@
+/* linear on AMX tiles, for bf16 weights with bf16 activations, or with f32
+ * activations (a bf16 copy of bf16-valued f32 weights). The AVX-512 kernel pays
+ * for each further row of x with more instructions per weight; one AMX tile
+ * product (TDPBF16PS) takes 16 weight rows × 32 of K against up to 16 rows of x
+ * at once, so streaming the weights stays the only cost from M = 1 to M = 16
+ * (bench/ops.py on a 2-vCPU Xeon: kw_ops.h, KW_DNNL_MIN_M_BF16_AMX).
+ *
+ * The product is computed transposed, Yᵀ = W·Xᵀ: the weight rows are the A tile,
+ * read in place from PyTorch's [N, K] layout (or K-blocked [K / B, N, B]) with
+ * the row stride, so weights need no copy of their own; x is rearranged once per
+ * call into the B tiles' pair layout (`acts`, into the thread's scratch): for
+ * each block of up to 16 rows of x and each step of 32 along K, 16 rows of K
+ * pairs × the block's rows of x. A step shorter than 32 at the end of a block of
+ * K (K = 100: a step of 4) uses tiles configured that short; K must be even.
+ *
+ * f32 activations are split exactly into three bf16 parts, x = x1 + x2 + x3
+ * (x1 = bf16(x), x2 = bf16(x - x1), x3 = bf16(x - x1 - x2): 24 bits of
+ * significand in three pieces of 8), and each part gets its own B tiles, all
+ * summed into the same tile: every product of a bf16 weight with a part is
+ * exact in f32, so the result is the f32 linear's up to summation order, as
+ * with the AVX-512 kernel's widened weights.
+ *
+ * Each group of 16 weight rows (kw__lin_claim hands out whole groups, and every
+ * output of linear_multi must be whole groups) is multiplied block of x after
+ * block of x, its A tiles reloaded from L1, and its 16 × rows sums stored, biased
+ * and rounded to y's dtype one by one. Sums are f32; the tile unit treats
+ * denormal bf16 inputs as zero (an f32 activation below 2^-110 or so loses its
+ * last part). A thread loads the tile configuration when it lays out x for a
+ * call and releases the tiles after its last rows (`done`), so its tile state is
+ * never live between kernels. */
+#include <immintrin.h>
+#include <string.h>
+
+#include "linear.h"
+
+/* Tile registers. GCC's tile intrinsics paste their register numbers into the
+ * instruction text, so they are macros, expanded through the wrappers below. */
+#define T_C 0           /* sums, 16 weight rows × 16 rows of x */
+#define T_A 1           /* 16 weight rows × 32 of K */
+#define T_B 2           /* 16 K pairs × 16 rows of x */
+#define T_A_TAIL 3      /* 16 weight rows × the last step's K */
+#define T_B_TAIL 4      /* its K pairs × 16 rows of x */
+#define T_C_PART 5      /* the same three for the last block of x, when it has fewer than 16 rows */
+#define T_B_PART 6
+#define T_B_TAIL_PART 7
+#define ZERO(t) _tile_zero(t)
+#define LOAD(t, p, stride) _tile_loadd(t, p, stride)
+#define STORE(t, p, stride) _tile_stored(t, p, stride)
+#define DOT(c, a, b) _tile_dpbf16ps(c, a, b)
+
+typedef struct tile_config {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+static void set_tile(tile_config *t, int tile, int rows, int colsb) {
+    t->rows[tile] = (uint8_t)rows;
+    t->colsb[tile] = (uint16_t)colsb;
+}
+
+/* Steps along one block of K, and the K of the last (32 when there is no shorter one). */
+static int64_t steps_per_block(const kw__lin *g) { return (g->kblk + 31) / 32; }
+static int tail_k(const kw__lin *g) { return g->kblk % 32 ? (int)(g->kblk % 32) : 32; }
+
+/* Bytes from the start of part p's B tiles to x's block mb, step s of K block
+ * kb; rows of a step are `width` rows of x × 2 bf16 (width · 4 bytes) apart.
+ * Every block before the last has 16 rows of x; a part's tiles take
+ * kw__lin_amx_part_bytes. */
+static size_t packed_offset(const kw__lin *g, int p, int64_t mb, int64_t kb, int64_t s, int64_t width) {
+    const int64_t steps = (g->K / g->kblk) * steps_per_block(g);
+    return (size_t)p * kw__lin_amx_part_bytes(g) +
+           (size_t)(mb * steps * 16 * 64 + (kb * steps_per_block(g) + s) * 16 * width * 4);
+}
+
+static uint16_t bf16_bits(float v) {
+    uint32_t u;
+    memcpy(&u, &v, 4);
+    return (uint16_t)((u + 0x7fff + ((u >> 16) & 1)) >> 16); /* to nearest even; a NaN stays a NaN */
+}
+
+static float bf16_value(uint16_t b) {
+    const uint32_t u = (uint32_t)b << 16;
+    float v;
+    memcpy(&v, &u, 4);
+    return v;
+}
+
+/* The tiles for this call's rows of x and step of K, on this thread. */
+static void configure_tiles(const kw__lin *g) {
+    const int64_t part = g->M % 16, tk = tail_k(g);
+    tile_config cfg = {.palette = 1};
+    set_tile(&cfg, T_C, 16, 64);
+    set_tile(&cfg, T_A, 16, 64);
+    set_tile(&cfg, T_B, 16, 64);
+    set_tile(&cfg, T_A_TAIL, 16, (int)tk * 2);
+    set_tile(&cfg, T_B_TAIL, (int)tk / 2, 64);
+    if (part) {
+        set_tile(&cfg, T_C_PART, 16, (int)part * 4);
+        set_tile(&cfg, T_B_PART, 16, (int)part * 4);
+        set_tile(&cfg, T_B_TAIL_PART, (int)tk / 2, (int)part * 4);
+    }
+    _tile_loadconfig(&cfg);
+}
+
+void kw__linear_acts_amx(const kw__lin *g, void *work) {
+    configure_tiles(g);
+    uint16_t *packed = work;
+    for (int64_t m = 0; m < g->M; m++) {
+        const int64_t mb = m / 16, mi = m % 16, width = KW__MIN(16, g->M - mb * 16);
+        for (int64_t k = 0; k < g->K; k++) {
+            const int64_t kb = k / g->kblk, kk = k % g->kblk;
+            const size_t in_step = (size_t)(((kk % 32) / 2) * width * 2 + mi * 2 + kk % 2);
+            if (g->xt == KW_BF16) {
+                const uint16_t v = ((const uint16_t *)g->x)[m * g->xs + k];
+                packed[packed_offset(g, 0, mb, kb, kk / 32, width) / 2 + in_step] = v;
+                continue;
+            }
+            float rest = ((const float *)g->x)[m * g->xs + k];
+            for (int p = 0; p < 3; p++) {
+                const uint16_t part = bf16_bits(rest);
+                packed[packed_offset(g, p, mb, kb, kk / 32, width) / 2 + in_step] = part;
+                rest -= bf16_value(part); /* exact: part is rest rounded to its top 8 bits */
+            }
+        }
+    }
+}
+
+/* C[T_C or T_C_PART] = the sums for weight rows n.. n + 15 against block mb of x. */
+static inline __attribute__((always_inline)) void group_block(const kw__lin *g, const char *packed, int64_t n,
+                                                              int64_t mb, int part) {
+    const int64_t width = part ? g->M % 16 : 16, steps = steps_per_block(g), nkb = g->K / g->kblk;
+    const int64_t wstride = g->ws * 2, bstride = width * 4;
+    const int tail = g->kblk % 32 != 0, parts = g->amx_parts;
+    if (part) ZERO(T_C_PART);
+    else ZERO(T_C);
+    for (int64_t kb = 0; kb < nkb; kb++) {
+        const char *w = kw__lin_wrow(g, kb, n);
+        for (int64_t s = 0; s < steps; s++) {
+            const int short_step = tail && s == steps - 1;
+            if (short_step) LOAD(T_A_TAIL, w + s * 64, wstride);
+            else LOAD(T_A, w + s * 64, wstride);
+            for (int p = 0; p < parts; p++) {
+                const char *b = packed + packed_offset(g, p, mb, kb, s, width);
+                if (short_step && part) {
+                    LOAD(T_B_TAIL_PART, b, bstride);
+                    DOT(T_C_PART, T_A_TAIL, T_B_TAIL_PART);
+                } else if (short_step) {
+                    LOAD(T_B_TAIL, b, bstride);
+                    DOT(T_C, T_A_TAIL, T_B_TAIL);
+                } else if (part) {
+                    LOAD(T_B_PART, b, bstride);
+                    DOT(T_C_PART, T_A, T_B_PART);
+                } else {
+                    LOAD(T_B, b, bstride);
+                    DOT(T_C, T_A, T_B);
+                }
+            }
+        }
+    }
+}
+
+void kw__linear_rows_amx(const kw__lin *g, int64_t n0, int64_t n1, void *work) {
+    const int64_t part = g->M % 16, full = g->M / 16;
+    float sums[16][16];
+    for (int64_t n = n0; n < n1; n += 16) {
+        int j = 0;
+        int64_t s0, s1;
+        char *y = NULL;
+        while (!kw__lin_segment(g, j, n, n + 16, &s0, &s1, &y)) j++;
+        for (int64_t mb = 0; mb <= full; mb++) {
+            const int is_part = mb == full;
+            if (is_part && !part) break;
+            group_block(g, work, n, mb, is_part);
+            if (is_part) STORE(T_C_PART, sums, 64);
+            else STORE(T_C, sums, 64);
+            const int64_t width = is_part ? part : 16;
+            for (int r = 0; r < 16; r++) {
+                const float bias = kw__lin_bias(g, n + r);
+                for (int64_t mi = 0; mi < width; mi++)
+                    kw__stf(y, (mb * 16 + mi) * g->out[j].ys + r, g->yt, sums[r][mi] + bias);
+            }
+        }
+    }
+}
+
+void kw__linear_done_amx(const kw__lin *g) { _tile_release(); }
