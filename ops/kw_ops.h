@@ -104,8 +104,8 @@ enum {
      * 15.2 ms against 17.3 at M = 16, 26.8 against 23.2 at M = 32. */
     KW_DNNL_MIN_M_F32_BF16_COPY = 32,
     /* On an AMX CPU linear runs its tile kernel (ops/linear_amx.c) over bf16
-     * weights from KW_AMX_MIN_M rows of x, and the crossovers move. On a 2-vCPU
-     * Xeon (bench/ops.py, Llama-3.2-1B's MLP, 2 threads), bf16 x: linear 4.1-4.3
+     * weights from KW_AMX_MIN_M_BF16 / _F32 rows of x (below), and the
+     * crossovers move. On a 2-vCPU Xeon (bench/ops.py, Llama-3.2-1B's MLP, 2 threads), bf16 x: linear 4.1-4.3
      * ms at M = 1 against 4.6-4.8 for the AVX-512 kernel, 10.6-11.0 against
      * 19.8-36.7 at M = 32, and against oneDNN 16.4 / 16.8 at M = 64, 33.6 / 26.1
      * at M = 128; f32 x over the bf16 copy: 4.2 against 4.4-5.1 at M = 1, 5.7
@@ -114,7 +114,14 @@ enum {
      * CPU it runs on (kwker._C.op_params). */
     KW_DNNL_MIN_M_BF16_AMX = 128,
     KW_DNNL_MIN_M_F32_BF16_COPY_AMX = 256,
-    KW_AMX_MIN_M = 1,
+    /* Over SmolLM2-360M's decode plan (rows of 960) the tile kernel lost at one
+     * row: replays of 46-52 ms against 47-52 (bf16) and 63-64 against 45-48 (f32
+     * x, three tile products a step), while it won at 5 and 8 rows in bf16
+     * (58-62 against 72-74, 59-68 against 106-149) and was even in f32 at 5-8.
+     * So: bf16 x from 2 rows, f32 x from 16 (where the MLP measured 8.2 ms
+     * against 17.5). */
+    KW_AMX_MIN_M_BF16 = 2,
+    KW_AMX_MIN_M_F32 = 16,
 };
 
 /* How an op touches a tensor slot; capture's liveness and validation read this. */

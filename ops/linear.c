@@ -30,7 +30,8 @@ static int lin_check_out(const kw_call *c, const char *op, int j, const kw__lin 
 static int amx_fits(const kw__lin *g) {
     int whole_groups = 1;
     for (int j = 0; j < g->n_out; j++) whole_groups &= g->out[j].n % 16 == 0;
-    return g->wt == KW_BF16 && g->M >= KW_AMX_MIN_M && g->kblk % 2 == 0 && whole_groups;
+    const int64_t min_m = g->xt == KW_BF16 ? KW_AMX_MIN_M_BF16 : KW_AMX_MIN_M_F32;
+    return g->wt == KW_BF16 && g->M >= min_m && g->kblk % 2 == 0 && whole_groups;
 }
 
 int kw__lin_prepare(const kw_call *c, const char *op, int n_out, kw_isa isa, kw__lin *g, char *msg, size_t len) {

@@ -21,7 +21,7 @@ typedef struct kw__lin kw__lin;
  * [n0, n1) of every output row, as many times as the thread claims rows. */
 KW__VARIANTS(void, kw__linear_acts, (const kw__lin *g, void *work))
 KW__VARIANTS(void, kw__linear_rows, (const kw__lin *g, int64_t n0, int64_t n1, void *work))
-/* On AMX, for bf16 weights from KW_AMX_MIN_M rows of x (ops/linear_amx.c). */
+/* On AMX, for bf16 weights from KW_AMX_MIN_M_BF16 / _F32 rows of x (ops/linear_amx.c). */
 void kw__linear_acts_amx(const kw__lin *g, void *work);
 void kw__linear_rows_amx(const kw__lin *g, int64_t n0, int64_t n1, void *work);
 void kw__linear_done_amx(const kw__lin *g);

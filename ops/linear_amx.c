@@ -2,8 +2,8 @@
  * activations (a bf16 copy of bf16-valued f32 weights). The AVX-512 kernel pays
  * for each further row of x with more instructions per weight; one AMX tile
  * product (TDPBF16PS) takes 16 weight rows × 32 of K against up to 16 rows of x
- * at once, so streaming the weights stays the only cost from M = 1 to M = 16
- * (bench/ops.py on a 2-vCPU Xeon: kw_ops.h, KW_DNNL_MIN_M_BF16_AMX).
+ * at once, so its cost grows little from M = 1 to M = 16 (bench/ops.py on a
+ * 2-vCPU Xeon; kw_ops.h has the rows from which it takes over, and why).
  *
  * The product is computed transposed, Yᵀ = W·Xᵀ: the weight rows are the A tile,
  * read in place from PyTorch's [N, K] layout (or K-blocked [K / B, N, B]) with

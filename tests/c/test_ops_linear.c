@@ -121,7 +121,7 @@ static int runs_on_amx(kw_op_id op, const kw_call *c) {
  * elsewhere these are AVX-512 cases. */
 Test(linear, amx_shapes_match_the_reference) {
     tt_rng r = {21};
-    static const int64_t Ms_amx[] = {1, 2, 3, 5, 8, 15, 16, 17, 31, 33};
+    static const int64_t Ms_amx[] = {1, 2, 3, 5, 8, 15, 16, 17, 31, 33};  /* both sides of each threshold */
     static const int64_t Ks_amx[] = {2, 30, 32, 34, 64, 100, 960};
     static const int64_t Ns_amx[] = {16, 32, 48, 80};
     const int amx = kw_cpu_isa() >= KW_ISA_AMX;
@@ -145,8 +145,8 @@ Test(linear, amx_shapes_match_the_reference) {
         char what[96];
         snprintf(what, sizeof what, "%s x %s M=%lld K=%lld N=%lld%s", multi ? "linear_multi" : "linear",
                  kw_dtype_name(xt), (long long)M, (long long)K, (long long)N, blocked ? " k-blocked" : "");
-        cr_assert_eq(runs_on_amx(op, &k.c), amx && M >= KW_AMX_MIN_M, "%s: the AMX kernel %s", what,
-                     amx && M >= KW_AMX_MIN_M ? "did not run" : "ran");
+        const int want = amx && M >= (xt == KW_BF16 ? KW_AMX_MIN_M_BF16 : KW_AMX_MIN_M_F32);
+        cr_assert_eq(runs_on_amx(op, &k.c), want, "%s: the AMX kernel %s", what, want ? "did not run" : "ran");
         tt_check_variants(op, &k, lin_tol(xt, K), what);
         tt_free(&k);
     }
