@@ -105,8 +105,8 @@ enum {
     KW_DNNL_MIN_M_F32_BF16_COPY = 32,
     /* On an AMX CPU linear runs its tile kernel (ops/linear_amx.c) over bf16
      * weights from KW_AMX_MIN_M_BF16 / _F32 rows of x (below), and the
-     * crossovers move. On a 2-vCPU Xeon (bench/ops.py, Llama-3.2-1B's MLP, 2 threads), bf16 x: linear 4.1-4.3
-     * ms at M = 1 against 4.6-4.8 for the AVX-512 kernel, 10.6-11.0 against
+     * crossovers move. On a 2-vCPU Xeon (bench/ops.py, Llama-3.2-1B's MLP, 2
+     * threads), bf16 x: linear 4.1-4.3 ms at M = 1 against 4.6-4.8 for the AVX-512 kernel, 10.6-11.0 against
      * 19.8-36.7 at M = 32, and against oneDNN 16.4 / 16.8 at M = 64, 33.6 / 26.1
      * at M = 128; f32 x over the bf16 copy: 4.2 against 4.4-5.1 at M = 1, 5.7
      * against 9.2-10.3 at M = 8, and against oneDNN (f32 weights) 68 / 81 at

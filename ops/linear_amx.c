@@ -29,7 +29,6 @@
  * call and releases the tiles after its last rows (`done`), so its tile state is
  * never live between kernels. */
 #include <immintrin.h>
-#include <string.h>
 
 #include "linear.h"
 
@@ -60,7 +59,7 @@ static void set_tile(tile_config *t, int tile, int rows, int colsb) {
 }
 
 /* Steps along one block of K, and the K of the last (32 when there is no shorter one). */
-static int64_t steps_per_block(const kw__lin *g) { return (g->kblk + 31) / 32; }
+static int64_t steps_per_block(const kw__lin *g) { return kw__lin_block_padded(g->kblk) / 32; }
 static int tail_k(const kw__lin *g) { return g->kblk % 32 ? (int)(g->kblk % 32) : 32; }
 
 /* Bytes from the start of part p's B tiles to x's block mb, step s of K block
@@ -71,19 +70,6 @@ static size_t packed_offset(const kw__lin *g, int p, int64_t mb, int64_t kb, int
     const int64_t steps = (g->K / g->kblk) * steps_per_block(g);
     return (size_t)p * kw__lin_amx_part_bytes(g) +
            (size_t)(mb * steps * 16 * 64 + (kb * steps_per_block(g) + s) * 16 * width * 4);
-}
-
-static uint16_t bf16_bits(float v) {
-    uint32_t u;
-    memcpy(&u, &v, 4);
-    return (uint16_t)((u + 0x7fff + ((u >> 16) & 1)) >> 16); /* to nearest even; a NaN stays a NaN */
-}
-
-static float bf16_value(uint16_t b) {
-    const uint32_t u = (uint32_t)b << 16;
-    float v;
-    memcpy(&v, &u, 4);
-    return v;
 }
 
 /* The tiles for this call's rows of x and step of K, on this thread. */
@@ -105,24 +91,28 @@ static void configure_tiles(const kw__lin *g) {
 
 void kw__linear_acts_amx(const kw__lin *g, void *work) {
     configure_tiles(g);
-    uint16_t *packed = work;
+    const int64_t steps = steps_per_block(g);
     for (int64_t m = 0; m < g->M; m++) {
         const int64_t mb = m / 16, mi = m % 16, width = KW__MIN(16, g->M - mb * 16);
-        for (int64_t k = 0; k < g->K; k++) {
-            const int64_t kb = k / g->kblk, kk = k % g->kblk;
-            const size_t in_step = (size_t)(((kk % 32) / 2) * width * 2 + mi * 2 + kk % 2);
-            if (g->xt == KW_BF16) {
-                const uint16_t v = ((const uint16_t *)g->x)[m * g->xs + k];
-                packed[packed_offset(g, 0, mb, kb, kk / 32, width) / 2 + in_step] = v;
-                continue;
+        for (int64_t kb = 0; kb < g->K / g->kblk; kb++)
+            for (int64_t s = 0; s < steps; s++) {
+                const int64_t k0 = kb * g->kblk + s * 32, n = KW__MIN(32, g->kblk - s * 32);
+                uint16_t *step[3]; /* row m's first pair in this step's B tiles, per part */
+                for (int p = 0; p < g->amx_parts; p++)
+                    step[p] = (uint16_t *)((char *)work + packed_offset(g, p, mb, kb, s, width)) + mi * 2;
+                for (int64_t kk = 0; kk < n; kk++) {
+                    const int64_t at = (kk / 2) * width * 2 + kk % 2;
+                    if (g->xt == KW_BF16) {
+                        step[0][at] = ((const uint16_t *)g->x)[m * g->xs + k0 + kk];
+                        continue;
+                    }
+                    float rest = ((const float *)g->x)[m * g->xs + k0 + kk];
+                    for (int p = 0; p < 3; p++) {
+                        step[p][at] = kw__f32_to_bf16(rest);
+                        rest -= kw__bf16_to_f32(step[p][at]); /* exact: the part is rest rounded to its top 8 bits */
+                    }
+                }
             }
-            float rest = ((const float *)g->x)[m * g->xs + k];
-            for (int p = 0; p < 3; p++) {
-                const uint16_t part = bf16_bits(rest);
-                packed[packed_offset(g, p, mb, kb, kk / 32, width) / 2 + in_step] = part;
-                rest -= bf16_value(part); /* exact: part is rest rounded to its top 8 bits */
-            }
-        }
     }
 }
 

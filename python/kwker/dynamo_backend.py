@@ -25,9 +25,10 @@ def kwker_backend(gm: torch.fx.GraphModule, example_inputs, *, mode=None, option
     non-empty; both are validated here (torch does not)."""
     opts = parse_options(mode, options)
     start = time.perf_counter()
-    route = route_graph(gm, example_inputs, torch.is_grad_enabled())
+    grad_enabled = torch.is_grad_enabled()
+    route = route_graph(gm, example_inputs, grad_enabled)
     kind, compiled, detail = compile_routed(route.path, gm, example_inputs, opts)
-    guards.note_graph(gm, compiled, torch.is_grad_enabled())
+    guards.note_graph(gm, compiled, grad_enabled)
     seconds = time.perf_counter() - start
     entry = summary.record(kind=kind, nodes=len(gm.graph.nodes), seconds=seconds, reason=route.reason, **detail)
     log.info("graph %d (%d nodes): %s in %.2f s — %s", entry.index, entry.nodes, kind, seconds, entry.why)

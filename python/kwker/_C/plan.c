@@ -779,19 +779,24 @@ static PyObject *plan_get_last_call(PyObject *self, void *closure) {
                          (double)t[3] / 1e3, "call_us", (double)t[4] / 1e3);
 }
 
+static int set_add_long(PyObject *set, long v) {
+    PyObject *n = PyLong_FromLong(v);
+    const int err = !n || PySet_Add(set, n);
+    Py_XDECREF(n);
+    return err ? -1 : 0;
+}
+
 /* The arguments whose type and layout every call checks: the inputs it binds and
- * the sources of its weight copies (kwker.guards drops Dynamo's guards on these). */
+ * the sources of its weight copies (kwker.guards drops Dynamo's guards on these);
+ * not the floats it was specialised on, whose value it checks. */
 static PyObject *plan_get_checked_args(PyObject *self, void *closure) {
     kw__state *s = live_state(self);
     if (!s) return NULL;
     PyObject *set = PySet_New(NULL);
-    for (int i = 0; set && i < s->prog->n_inputs + s->n_src; i++) {
-        const struct kw__watched *w = i < s->prog->n_inputs ? NULL : &s->src[i - s->prog->n_inputs];
-        if (w && !w->watch) continue; /* a float the plan was specialised on: its value is checked, not a tensor */
-        PyObject *n = PyLong_FromLong(w ? w->arg : s->prog->inputs[i].arg);
-        if (!n || PySet_Add(set, n)) Py_CLEAR(set);
-        Py_XDECREF(n);
-    }
+    for (int i = 0; set && i < s->prog->n_inputs; i++)
+        if (set_add_long(set, s->prog->inputs[i].arg)) Py_CLEAR(set);
+    for (int i = 0; set && i < s->n_src; i++)
+        if (s->src[i].watch && set_add_long(set, s->src[i].arg)) Py_CLEAR(set);
     PyObject *res = set ? PyFrozenSet_New(set) : NULL;
     Py_XDECREF(set);
     return res;
