@@ -1,7 +1,7 @@
 /* ops_bench — what kwker's kernels and pool reach on this machine, printed as
  * one JSON object (bench/ops.py builds and runs it; see bench/README.md).
  *
- *   ops_bench [--threads N] [--quick] [--read-only]
+ *   ops_bench [--threads N] [--quick] [--read-only | --attention]
  *
  * read_gbs       read bandwidth: the pool's threads each stream their slice of a
  *                2 GiB buffer (far beyond any L3); the faster of 32- and 64-byte
@@ -15,6 +15,9 @@
  * barrier_us     per op: an empty kernel and a barrier, at 1 and all threads.
  * attention_us   decode attention, Llama-3.2-1B heads (32 q, 8 kv, D 64, bf16),
  *                128 valid positions in caches of S = 256 and S = 4096.
+ * attention_steps_us  attention of steps of L = 1, 5, 8 and 128 positions,
+ *                SmolLM2-360M's heads (15 q, 5 kv, D 64), f32 and bf16, causal,
+ *                ending at 512 of 1024 cached positions (--attention: only these).
  * dnnl_crossover linear vs matmul_dnnl over one layer's gate/up/down for M rows:
  *                f32, f32 x with linear on a bf16 copy (dnnl on f32), and bf16.
  * ops_us         other decode-sized ops, each with its barrier.
@@ -336,32 +339,60 @@ static double per_op_us(kw_pool *pool, kw_op_id op, const kw_call *c, int iters)
     return t / iters * 1e6;
 }
 
-/* ---- attention: B 1, Hq 32, Hkv 8, D 64, bf16; 128 valid positions of S ---- */
+/* ---- attention: B 1, D 64, caches of S positions of which the first `valid`
+ * are written; L query positions at the end of them, causal. ---- */
 
-static double attention_us(kw_pool *pool, int64_t S) {
-    const int64_t Hq = 32, Hkv = 8, D = 64;
-    uint16_t *q = alloc_or_die((size_t)(Hq * D) * 2), *o = alloc_or_die((size_t)(Hq * D) * 2);
-    const size_t cache_bytes = (size_t)(Hkv * S * D) * 2;
-    uint16_t *k = alloc_or_die(cache_bytes), *v = alloc_or_die(cache_bytes);
-    uint8_t *mask = alloc_or_die((size_t)S);
-    for (int64_t i = 0; i < Hq * D; i++) q[i] = 0x3c00 + (uint16_t)(i % 64);
-    for (int64_t i = 0; i < Hkv * S * D; i++) k[i] = v[i] = 0x3c00 + (uint16_t)(i % 97);
-    for (int64_t s = 0; s < 128; s++) mask[s] = 1;
+static void put(void *p, int64_t i, kw_dtype dt, float x) {
+    if (dt == KW_BF16) {
+        uint32_t u;
+        memcpy(&u, &x, 4);
+        ((uint16_t *)p)[i] = (uint16_t)(u >> 16);
+    } else {
+        ((float *)p)[i] = x;
+    }
+}
+
+static double attention_us(kw_pool *pool, kw_dtype dt, int64_t Hq, int64_t Hkv, int64_t L, int64_t valid, int64_t S) {
+    const int64_t D = 64;
+    const size_t es = kw_dtype_size(dt), qbytes = (size_t)(Hq * L * D) * es, cache_bytes = (size_t)(Hkv * S * D) * es;
+    char *q = alloc_or_die(qbytes), *o = alloc_or_die(qbytes), *k = alloc_or_die(cache_bytes), *v = alloc_or_die(cache_bytes);
+    uint8_t *mask = alloc_or_die((size_t)(L * S));
+    for (int64_t i = 0; i < Hq * L * D; i++) put(q, i, dt, 1.0f + (float)(i % 64) / 64);
+    for (int64_t i = 0; i < Hkv * S * D; i++) put(k, i, dt, 1.0f + (float)(i % 97) / 97), put(v, i, dt, 1.0f);
+    for (int64_t i = 0; i < L; i++)
+        for (int64_t s = 0; s < S; s++) mask[i * S + s] = s <= valid - L + i;
+    /* q and out as HF makes them: [B, L, Hq, D] memory viewed as [B, Hq, L, D] */
     kw_call c = {0};
-    c.t[0] = (kw_tensor){o, KW_BF16, 4, {1, Hq, 1, D}, {Hq * D, D, D, 1}};
-    c.t[1] = (kw_tensor){q, KW_BF16, 4, {1, Hq, 1, D}, {Hq * D, D, D, 1}};
-    c.t[2] = (kw_tensor){k, KW_BF16, 4, {1, Hkv, S, D}, {Hkv * S * D, S * D, D, 1}};
-    c.t[3] = (kw_tensor){v, KW_BF16, 4, {1, Hkv, S, D}, {Hkv * S * D, S * D, D, 1}};
-    c.t[4] = (kw_tensor){mask, KW_BOOL, 4, {1, 1, 1, S}, {S, S, S, 1}};
+    c.t[0] = (kw_tensor){o, dt, 4, {1, Hq, L, D}, {L * Hq * D, D, Hq * D, 1}};
+    c.t[1] = (kw_tensor){q, dt, 4, {1, Hq, L, D}, {L * Hq * D, D, Hq * D, 1}};
+    c.t[2] = (kw_tensor){k, dt, 4, {1, Hkv, S, D}, {Hkv * S * D, S * D, D, 1}};
+    c.t[3] = (kw_tensor){v, dt, 4, {1, Hkv, S, D}, {Hkv * S * D, S * D, D, 1}};
+    c.t[4] = (kw_tensor){mask, KW_BOOL, 4, {1, 1, L, S}, {L * S, L * S, S, 1}};
     c.fp[0] = 0.125;
     check_call(KW_OP_ATTENTION, &c);
-    const double us = per_op_us(pool, KW_OP_ATTENTION, &c, g_quick ? 200 : 1000);
-    kw_mem_free(q, (size_t)(Hq * D) * 2);
-    kw_mem_free(o, (size_t)(Hq * D) * 2);
+    const double us = per_op_us(pool, KW_OP_ATTENTION, &c, (g_quick ? 2000 : 10000) / (int)(L * 4 + 10) + 1);
+    kw_mem_free(q, qbytes);
+    kw_mem_free(o, qbytes);
     kw_mem_free(k, cache_bytes);
     kw_mem_free(v, cache_bytes);
-    kw_mem_free(mask, (size_t)S);
+    kw_mem_free(mask, (size_t)(L * S));
     return us;
+}
+
+/* Steps of L = 1, 5, 8 and 128 positions, SmolLM2-360M's heads (15 q, 5 kv),
+ * the last at 512 of 1024 cached positions. */
+static void attention_steps(kw_pool *pool, FILE *out) {
+    static const int64_t steps_L[] = {1, 5, 8, 128};
+    fprintf(stderr, "attention steps...\n");
+    fprintf(out, ", \"attention_steps_us\": [");
+    for (int di = 0; di < 2; di++)
+        for (int li = 0; li < 4; li++) {
+            const kw_dtype dt = di ? KW_BF16 : KW_F32;
+            const int64_t L = steps_L[li];
+            fprintf(out, "%s{\"dtype\": \"%s\", \"L\": %lld, \"valid\": 512, \"us\": %.2f}", di || li ? ", " : "",
+                    kw_dtype_name(dt), (long long)L, attention_us(pool, dt, 15, 5, L, 512, 1024));
+        }
+    fprintf(out, "]");
 }
 
 /* ---- linear vs matmul_dnnl for M rows over one layer's gate, up and down ---- */
@@ -487,16 +518,18 @@ static void decode_ops(kw_pool *pool, FILE *out) {
 }
 
 int main(int argc, char **argv) {
-    int threads = 0, read_only = 0;
+    int threads = 0, read_only = 0, attention_only = 0;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--quick"))
             g_quick = 1;
         else if (!strcmp(argv[i], "--read-only"))
             read_only = 1;
+        else if (!strcmp(argv[i], "--attention"))
+            attention_only = 1;
         else if (!strcmp(argv[i], "--threads") && i + 1 < argc)
             threads = atoi(argv[++i]);
         else {
-            fprintf(stderr, "usage: ops_bench [--threads N] [--quick] [--read-only]\n");
+            fprintf(stderr, "usage: ops_bench [--threads N] [--quick] [--read-only | --attention]\n");
             return 2;
         }
     }
@@ -509,6 +542,11 @@ int main(int argc, char **argv) {
     }
     fprintf(out, "{\"threads\": %d, \"isa\": \"%s\", \"quick\": %s", threads, kw_isa_name(kw_cpu_isa()),
             g_quick ? "true" : "false");
+    if (attention_only) {
+        attention_steps(pool, out);
+        fprintf(out, "}\n");
+        return 0;
+    }
 
     /* The weights: lm_head + 5 layers = 1.13 GB in bf16, 2.27 GB in f32. */
     shape sh[MAX_MATS];
@@ -530,8 +568,9 @@ int main(int argc, char **argv) {
     fprintf(out, "}");
 
     fprintf(stderr, "attention...\n");
-    const double a256 = attention_us(pool, 256), a4096 = attention_us(pool, 4096);
+    const double a256 = attention_us(pool, KW_BF16, 32, 8, 1, 128, 256), a4096 = attention_us(pool, KW_BF16, 32, 8, 1, 128, 4096);
     fprintf(out, ", \"attention_us\": {\"S256\": %.3f, \"S4096\": %.3f}", a256, a4096);
+    attention_steps(pool, out);
 
     fprintf(stderr, "decode ops...\n");
     fprintf(out, ", \"ops_us\": ");

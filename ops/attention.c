@@ -10,9 +10,14 @@
  * subtracted, all in f32, as PyTorch's CPU flash attention computes them; like
  * it, the probabilities are rounded to the cache's dtype before they multiply V
  * (their sum is not), and the output is Σ p·v times 1 / Σ p, rounded once to its
- * dtype. A row with no valid position gives zeros. Threads split the B·L·Hq query
- * rows; heads sharing a cache head are done together so each K/V row is read
- * once per thread. */
+ * dtype. A row with no valid position gives zeros.
+ *
+ * A one-position step is a matrix-vector product per query head: threads split
+ * the B·Hq heads, and the heads sharing a cache head follow each other so its
+ * K/V rows are read from cache. A step of several positions is matrix products:
+ * threads split blocks of query rows of one cache head (see kw__attn), each
+ * block's rows share every K/V element they load, and each thread transposes a
+ * cache head's keys once for all its blocks. */
 #include "attention.h"
 
 static int attention_prepare(const kw_call *c, kw_isa isa, void *prep, char *msg, size_t len) {
@@ -51,7 +56,9 @@ static int attention_prepare(const kw_call *c, kw_isa isa, void *prep, char *msg
     for (int d = 0; d < 3; d++) a->os[d] = o->stride[d], a->qs[d] = q->stride[d];
     for (int d = 0; d < 3; d++) a->ks[d] = k->stride[d], a->vs[d] = v->stride[d];
     a->scale = (float)c->fp[0];
-    a->run = KW__PICK(kw__attention_heads, isa);
+    a->blocks = a->L > 1 ? (a->L * a->G + KW__ATTN_ROWS - 1) / KW__ATTN_ROWS : 0;
+    a->units = a->blocks ? a->B * a->Hkv * a->blocks : a->B * a->L * a->Hq;
+    a->run = a->blocks ? KW__PICK(kw__attention_blocks, isa) : KW__PICK(kw__attention_heads, isa);
     return 0;
 }
 
@@ -91,13 +98,25 @@ void kw__attention_heads_scalar(const kw__attn *a, int64_t u0, int64_t u1, void 
     }
 }
 
+/* The reference has no blocks: it runs a block's rows as heads. */
+void kw__attention_blocks_scalar(const kw__attn *a, int64_t u0, int64_t u1, void *work) {
+    for (int64_t u = u0; u < u1; u++) {
+        int64_t b, kh, r0;
+        kw__attn_block_of(a, u, &b, &kh, &r0);
+        for (int64_t r = r0; r < KW__MIN(r0 + KW__ATTN_ROWS, a->L * a->G); r++) {
+            const int64_t hu = (b * a->L + r / a->G) * a->Hq + kh * a->G + r % a->G;
+            kw__attention_heads_scalar(a, hu, hu + 1, work);
+        }
+    }
+}
+
 static size_t attention_work(const void *prep) { return kw__attn_work_size(prep); }
 
 static void attention_kernel(const kw_call *c, int ith, int nth) {
     kw__attn a = *(const kw__attn *)c->prep;
     int64_t u0, u1;
     a.o = c->t[0].data, a.q = c->t[1].data, a.k = c->t[2].data, a.v = c->t[3].data, a.mask = c->t[4].data;
-    kw__split(a.B * a.L * a.Hq, 1, ith, nth, &u0, &u1);
+    kw__split(a.units, 1, ith, nth, &u0, &u1);
     if (u0 < u1) a.run(&a, u0, u1, kw__work(c, ith));
 }
 

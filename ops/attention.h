@@ -1,6 +1,6 @@
 /* attention.h — private to attention (attention of L query positions over a
  * static KV cache): a prepared call as a struct, filled once by attention.c and
- * run over a range of query rows by the ISA variant prepare picked. */
+ * run over a range of units of work by the ISA variant prepare picked. */
 #ifndef KW_ATTENTION_H
 #define KW_ATTENTION_H
 
@@ -9,9 +9,19 @@
 typedef struct kw__attn kw__attn;
 typedef void (*kw__attn_fn)(const kw__attn *a, int64_t u0, int64_t u1, void *work);
 
-/* A unit of work is one query head at one position: u = (b · L + i) · Hq + h. */
+/* Query rows per block: a block's scores and its P·V stay in registers on
+ * AVX-512 (8 rows × 2 vectors) and on AVX2 (8 rows × 1). */
+#define KW__ATTN_ROWS 8
+
+/* A unit of work is, in a one-position step (kw__attention_heads), one query head
+ * at one position, u = (b · L + i) · Hq + h; in a step of several positions
+ * (kw__attention_blocks), a block of KW__ATTN_ROWS query rows of one cache head,
+ * u = (b · Hkv + kh) · blocks + block, its rows r = i · G + g in order (position
+ * i, head kh · G + g), so that a block holds neighbouring positions of all the
+ * heads that read cache head kh. */
 struct kw__attn {
     int64_t B, Hq, L, Hkv, G, S, D, Dv; /* G = Hq / Hkv query heads per cache head */
+    int64_t blocks, units;              /* blocks 0: one unit per head */
     char *o;
     const char *q, *k, *v, *mask; /* mask NULL: every position is valid */
     int64_t os[3], qs[3];         /* strides of B, H and L */
@@ -22,28 +32,40 @@ struct kw__attn {
     kw__attn_fn run;
 };
 
-/* Scratch per thread: the valid positions (int32[S]), one head's scores (f32[S]),
- * its query widened (f32[D]) and its output accumulators (f32[Dv]). */
-static inline size_t kw__attn_work_size(const kw__attn *a) {
-    return (size_t)(2 * a->S + a->D + a->Dv) * 4 + 4 * 64;
-}
+/* Positions padded to a multiple of 32: two AVX-512 vectors of scores. */
+static inline int64_t kw__attn_pad(int64_t n) { return (n + 31) / 32 * 32; }
 
+/* Scratch per thread: the valid positions (int32[S]) and, for blocks, the union
+ * of the rows' valid positions as bits (uint32[S / 32]); the scores of a head or
+ * a block's rows (f32[rows][S padded]), their queries widened (f32[rows][D]), a
+ * head's output accumulators (f32[Dv]); for blocks, the cache head's keys
+ * transposed (f32[D][S padded], in panels of positions: see pack_keys). */
 typedef struct kw__attn_scratch {
     int32_t *pos;
-    float *scores, *qf, *acc;
+    uint32_t *bits;
+    float *scores, *qf, *acc, *kt;
 } kw__attn_scratch;
 
+/* Offsets of the scratch's parts from a 64-byte aligned base; off[6] is the end. */
+static inline void kw__attn_layout(const kw__attn *a, size_t off[7]) {
+    const int64_t rows = a->blocks ? KW__ATTN_ROWS : 1, sp = kw__attn_pad(a->S);
+    const int64_t n4[6] = {a->S, sp / 32, rows * sp, rows * a->D, a->Dv, a->blocks ? a->D * sp : 0};
+    off[0] = 0;
+    for (int i = 0; i < 6; i++) off[i + 1] = off[i] + ((size_t)n4[i] * 4 + 63) / 64 * 64;
+}
+
+static inline size_t kw__attn_work_size(const kw__attn *a) {
+    size_t off[7];
+    kw__attn_layout(a, off);
+    return off[6] + 64;
+}
+
 static inline kw__attn_scratch kw__attn_carve(const kw__attn *a, void *work) {
-    kw__attn_scratch s;
+    size_t off[7];
+    kw__attn_layout(a, off);
     char *p = (char *)(((uintptr_t)work + 63) & ~(uintptr_t)63);
-    s.pos = (int32_t *)p;
-    p += ((size_t)a->S * 4 + 63) / 64 * 64;
-    s.scores = (float *)p;
-    p += ((size_t)a->S * 4 + 63) / 64 * 64;
-    s.qf = (float *)p;
-    p += ((size_t)a->D * 4 + 63) / 64 * 64;
-    s.acc = (float *)p;
-    return s;
+    return (kw__attn_scratch){(int32_t *)(p + off[0]), (uint32_t *)(p + off[1]), (float *)(p + off[2]),
+                              (float *)(p + off[3]), (float *)(p + off[4]), (float *)(p + off[5])};
 }
 
 /* An additive mask value at or below bfloat16's finfo.min (so float32's min and
@@ -64,6 +86,12 @@ static inline const char *kw__attn_mask_row(const kw__attn *a, int64_t b, int64_
     return a->mask ? a->mask + (size_t)(b * a->ms + i * a->ml) * kw_dtype_size(a->mt) : NULL;
 }
 
+/* Block u's batch, cache head and first row. */
+static inline void kw__attn_block_of(const kw__attn *a, int64_t u, int64_t *b, int64_t *kh, int64_t *r0) {
+    *b = u / (a->Hkv * a->blocks), *kh = u / a->blocks % a->Hkv, *r0 = u % a->blocks * KW__ATTN_ROWS;
+}
+
 KW__VARIANTS(void, kw__attention_heads, (const kw__attn *a, int64_t u0, int64_t u1, void *work))
+KW__VARIANTS(void, kw__attention_blocks, (const kw__attn *a, int64_t u0, int64_t u1, void *work))
 
 #endif

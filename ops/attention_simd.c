@@ -12,24 +12,32 @@ static inline void append_bits(int32_t *pos, int64_t *n, int64_t base, uint32_t 
     }
 }
 
-/* The positions the mask keeps, 32 bool bytes or KW_VW floats per compare. */
-static int64_t scan(const char *mrow, const kw__attn *a, int32_t *pos) {
-    int64_t n = 0, s = 0;
-    if (!mrow) {
-        for (; s < a->S; s++) pos[s] = (int32_t)s;
-        return a->S;
+/* Bits of the positions s0 .. s0 + 31 (fewer at the end) the mask row keeps,
+ * 32 bool bytes or KW_VW floats per compare. */
+static uint32_t keep_bits(const kw__attn *a, const char *mrow, int64_t s0) {
+    const int64_t cnt = KW__MIN(32, a->S - s0);
+    if (a->mt == KW_BOOL && cnt == 32) {
+        const __m256i m = _mm256_loadu_si256((const __m256i *)(mrow + s0));
+        return ~(uint32_t)_mm256_movemask_epi8(_mm256_cmpeq_epi8(m, _mm256_setzero_si256()));
     }
-    if (a->mt == KW_BOOL) {
-        for (; s + 32 <= a->S; s += 32) {
-            const __m256i m = _mm256_loadu_si256((const __m256i *)(mrow + s));
-            append_bits(pos, &n, s, ~(uint32_t)_mm256_movemask_epi8(_mm256_cmpeq_epi8(m, _mm256_setzero_si256())));
-        }
-    } else {
+    uint32_t bits = 0;
+    int64_t s = 0;
+    if (a->mt != KW_BOOL) {
         const kw_v lim = kw_v_set1(KW__ATTN_MASKED);
-        for (; s + KW_VW <= a->S; s += KW_VW) append_bits(pos, &n, s, kw_v_gt_bits(kw_v_ld(mrow, s, a->mt), lim));
+        for (; s + KW_VW <= cnt; s += KW_VW) bits |= (uint32_t)kw_v_gt_bits(kw_v_ld(mrow, s0 + s, a->mt), lim) << s;
     }
-    for (; s < a->S; s++)
-        if (kw__attn_keep(a, mrow, s)) pos[n++] = (int32_t)s;
+    for (; s < cnt; s++) bits |= (uint32_t)kw__attn_keep(a, mrow, s0 + s) << s;
+    return bits;
+}
+
+/* The positions the mask row keeps (every one without a mask). */
+static int64_t scan(const char *mrow, const kw__attn *a, int32_t *pos) {
+    int64_t n = 0;
+    if (!mrow) {
+        for (; n < a->S; n++) pos[n] = (int32_t)n;
+        return n;
+    }
+    for (int64_t s0 = 0; s0 < a->S; s0 += 32) append_bits(pos, &n, s0, keep_bits(a, mrow, s0));
     return n;
 }
 
@@ -63,13 +71,18 @@ static void scores_head(const kw__attn *a, const char *k, const int32_t *pos, in
 }
 
 /* In place: s[j] = exp(s[j] - max), rounded to dtype vt; returns Σ of the
- * unrounded values. */
+ * unrounded values, 0 (and zeros) when every s[j] is -inf. */
 static float softmax_unnormalised(float *s, int64_t n, kw_dtype vt) {
     kw_v mv = kw_v_set1(-INFINITY);
     int64_t j = 0;
     for (; j + KW_VW <= n; j += KW_VW) mv = kw_v_max(kw_v_loadu(s + j), mv);
     if (j < n) mv = kw_v_max(kw_v_fill_tail(kw_v_loadn(s + j, n - j), n - j, -INFINITY), mv);
-    const kw_v m = kw_v_set1(kw_v_reduce_max(mv));
+    const float mx = kw_v_reduce_max(mv);
+    if (mx == -INFINITY) {
+        memset(s, 0, (size_t)n * sizeof *s);
+        return 0.0f;
+    }
+    const kw_v m = kw_v_set1(mx);
     kw_v sum = kw_v_zero();
     for (j = 0; j + KW_VW <= n; j += KW_VW) {
         const kw_v p = kw_v_exp(kw_v_sub(kw_v_loadu(s + j), m));
@@ -149,5 +162,180 @@ void KW__ISA_NAME(kw__attention_heads)(const kw__attn *a, int64_t u0, int64_t u1
         const char *mrow = kw__attn_mask_row(a, b, i);
         if (row != cur_row) n = scan(mrow, a, w.pos), cur_row = row;
         head(a, &w, mrow, b, i, u % a->Hq, n);
+    }
+}
+
+/* ---- blocks of query rows: steps of more than one position ---- */
+
+#define ROWS KW__ATTN_ROWS
+#define NV (KW_VW == 16 ? 2 : 1) /* vectors per row held in registers: ROWS · NV accumulators */
+
+/* The positions any query row of batch b keeps, ascending. */
+static int64_t scan_union(const kw__attn *a, int64_t b, const kw__attn_scratch *w) {
+    if (!a->mask) return scan(NULL, a, w->pos);
+    const int64_t words = (a->S + 31) / 32;
+    memset(w->bits, 0, (size_t)words * sizeof *w->bits);
+    for (int64_t i = 0; i < (a->ml ? a->L : 1); i++) {
+        const char *mrow = kw__attn_mask_row(a, b, i);
+        for (int64_t wi = 0; wi < words; wi++) w->bits[wi] |= keep_bits(a, mrow, wi * 32);
+    }
+    int64_t n = 0;
+    for (int64_t wi = 0; wi < words; wi++) append_bits(w->pos, &n, wi * 32, w->bits[wi]);
+    return n;
+}
+
+/* The cache head's keys k[pos[j]] transposed in panels of KW_VW positions,
+ * kt[(j / KW_VW) · D · KW_VW + d · KW_VW + j % KW_VW] in f32, zero for j in
+ * [n, np): a vector of kt holds KW_VW positions of one d. */
+static void pack_keys(const kw__attn *a, const char *k, const int32_t *pos, int64_t n, int64_t np, float *kt) {
+    const size_t ksz = kw_dtype_size(a->kt);
+    for (int64_t j0 = 0; j0 < np; j0 += KW_VW) {
+        float *panel = kt + j0 * a->D;
+        for (int64_t d0 = 0; d0 < a->D; d0 += KW_VW) {
+            const int64_t nd = KW__MIN(KW_VW, a->D - d0);
+            kw_v r[KW_VW];
+            for (int64_t t = 0; t < KW_VW; t++)
+                r[t] = j0 + t < n ? kw_v_ldn(k + (size_t)(pos[j0 + t] * a->ks[2]) * ksz, d0, nd, a->kt) : kw_v_zero();
+            kw_v_transpose(r);
+            for (int64_t t = 0; t < nd; t++) kw_v_storeu(panel + (d0 + t) * KW_VW, r[t]);
+        }
+    }
+}
+
+/* s[j] = the mask's bias at pos[j] (0 for bool or no mask), -inf where the mask
+ * row drops it and for j in [n, np); widens [lo, hi) to cover every kept j. When
+ * the positions are consecutive (a causal or padded prefix), KW_VW at a time. */
+static void bias_row(const kw__attn *a, const char *mrow, const int32_t *pos, int64_t n, int64_t np, float *s,
+                     int64_t *lo, int64_t *hi) {
+    int64_t first = n, last = -1;
+    if (n && pos[n - 1] - pos[0] == n - 1) {
+        const kw_v none = kw_v_set1(-INFINITY);
+        for (int64_t j = 0; j < n; j += 32) {
+            const int64_t cnt = KW__MIN(32, n - j);
+            uint32_t bits = mrow ? keep_bits(a, mrow, pos[0] + j) : ~0u;
+            bits &= cnt == 32 ? ~0u : (1u << cnt) - 1;
+            if (bits) first = KW__MIN(first, j + __builtin_ctz(bits)), last = j + 31 - __builtin_clz(bits);
+            for (int64_t t = 0; t < cnt; t += KW_VW) {
+                const int64_t m = KW__MIN(KW_VW, cnt - t);
+                const kw_v bias = mrow && a->mt != KW_BOOL ? kw_v_ldn(mrow, pos[0] + j + t, m, a->mt) : kw_v_zero();
+                kw_v_storen(s + j + t, kw_v_blend_bits(bits >> t, bias, none), m);
+            }
+        }
+    } else {
+        for (int64_t j = 0; j < n; j++) {
+            if (mrow && !kw__attn_keep(a, mrow, pos[j])) {
+                s[j] = -INFINITY;
+                continue;
+            }
+            s[j] = kw__attn_bias(a, mrow, pos[j]);
+            first = KW__MIN(first, j), last = j;
+        }
+    }
+    for (int64_t j = n; j < np; j++) s[j] = -INFINITY;
+    *lo = KW__MIN(*lo, first), *hi = KW__MAX(*hi, last + 1);
+}
+
+/* scores[t · np + j] += dot(q_t, k[pos[j]]) · scale for the block's ROWS rows and
+ * j in [j0, j1), NV·KW_VW positions at a time: each kt vector serves every row. */
+static void scores_block(const kw__attn *a, const float *kt, int64_t np, const float *qf, int64_t j0, int64_t j1,
+                         float *scores) {
+    const kw_v scale = kw_v_set1(a->scale);
+    for (int64_t j = j0; j < j1; j += NV * KW_VW) {
+        kw_v acc[ROWS][NV];
+        for (int t = 0; t < ROWS; t++)
+            for (int c = 0; c < NV; c++) acc[t][c] = kw_v_zero();
+        for (int64_t d = 0; d < a->D; d++) {
+            kw_v kv[NV];
+            for (int c = 0; c < NV; c++) kv[c] = kw_v_loadu(kt + (j + c * KW_VW) * a->D + d * KW_VW);
+            for (int t = 0; t < ROWS; t++) {
+                const kw_v qb = kw_v_set1(qf[t * a->D + d]);
+                for (int c = 0; c < NV; c++) acc[t][c] = kw_v_fmadd(qb, kv[c], acc[t][c]);
+            }
+        }
+        for (int t = 0; t < ROWS; t++)
+            for (int c = 0; c < NV; c++) {
+                float *s = scores + t * np + j + c * KW_VW;
+                kw_v_storeu(s, kw_v_fmadd(acc[t][c], scale, kw_v_loadu(s)));
+            }
+    }
+}
+
+/* out row t = inv[t] · Σ_j p[t · np + j] · v[pos[j]] for j in [j0, j1), NV
+ * vectors of Dv at a time: each V vector serves every row. */
+static void pv_block(const kw__attn *a, const char *v, const int32_t *pos, int64_t j0, int64_t j1, const float *p,
+                     int64_t np, const float *inv, int64_t rows, const int64_t *oo) {
+    const size_t vsz = kw_dtype_size(a->vt);
+    for (int64_t d0 = 0; d0 < a->Dv; d0 += NV * KW_VW) {
+        int64_t nd[NV];
+        for (int c = 0; c < NV; c++) nd[c] = KW__MAX(0, KW__MIN(KW_VW, a->Dv - d0 - c * KW_VW));
+        kw_v acc[ROWS][NV];
+        for (int t = 0; t < ROWS; t++)
+            for (int c = 0; c < NV; c++) acc[t][c] = kw_v_zero();
+        for (int64_t j = j0; j < j1; j++) {
+            const char *vrow = v + (size_t)(pos[j] * a->vs[2]) * vsz;
+            kw_v vv[NV];
+            for (int c = 0; c < NV; c++) vv[c] = kw_v_ldn(vrow, d0 + c * KW_VW, nd[c], a->vt);
+            for (int t = 0; t < ROWS; t++) {
+                const kw_v pb = kw_v_set1(p[t * np + j]);
+                for (int c = 0; c < NV; c++) acc[t][c] = kw_v_fmadd(pb, vv[c], acc[t][c]);
+            }
+        }
+        for (int64_t t = 0; t < rows; t++)
+            for (int c = 0; c < NV; c++)
+                if (nd[c]) kw_v_stn(a->o, oo[t] + d0 + c * KW_VW, nd[c], a->ot, kw_v_mul(acc[t][c], kw_v_set1(inv[t])));
+    }
+}
+
+/* The block of rows r0 .. r0 + ROWS - 1 of cache head kh of batch b, over the n
+ * positions in w->pos whose keys w->kt holds. Only the span of positions some row
+ * keeps is computed: in a causal chunk, a block's last position bounds it. */
+static void block(const kw__attn *a, const kw__attn_scratch *w, int64_t b, int64_t kh, int64_t r0, int64_t n) {
+    const int64_t np = kw__attn_pad(n), rows = KW__MIN(ROWS, a->L * a->G - r0);
+    int64_t oo[ROWS], lo = n, hi = 0, i_prev = -1;
+    float inv[ROWS];
+    for (int64_t t = 0; t < ROWS; t++) {
+        float *s = w->scores + t * np, *qf = w->qf + t * a->D;
+        if (t >= rows) {
+            memset(qf, 0, (size_t)a->D * sizeof *qf);
+            continue;
+        }
+        const int64_t i = (r0 + t) / a->G, h = kh * a->G + (r0 + t) % a->G;
+        const int64_t qo = b * a->qs[0] + h * a->qs[1] + i * a->qs[2];
+        oo[t] = b * a->os[0] + h * a->os[1] + i * a->os[2];
+        for (int64_t d = 0; d < a->D; d++) qf[d] = kw__ldf(a->q, qo + d, a->qt);
+        if (i == i_prev)
+            memcpy(s, s - np, (size_t)np * sizeof *s);
+        else
+            bias_row(a, kw__attn_mask_row(a, b, i), w->pos, n, np, s, &lo, &hi);
+        i_prev = i;
+    }
+    const int64_t j0 = lo / (NV * KW_VW) * (NV * KW_VW), j1 = KW__MIN(np, kw__attn_pad(hi));
+    if (j0 < j1) scores_block(a, w->kt, np, w->qf, j0, j1, w->scores);
+    for (int64_t t = 0; t < ROWS; t++) {
+        float *s = w->scores + t * np + j0;
+        if (t >= rows) {
+            if (j0 < j1) memset(s, 0, (size_t)(j1 - j0) * sizeof *s);
+            continue;
+        }
+        const float sum = j0 < j1 ? softmax_unnormalised(s, j1 - j0, a->vt) : 0.0f;
+        inv[t] = sum > 0.0f ? 1.0f / sum : 0.0f;
+    }
+    pv_block(a, a->v + (size_t)(b * a->vs[0] + kh * a->vs[1]) * kw_dtype_size(a->vt), w->pos, j0, KW__MIN(j1, n),
+             w->scores, np, inv, rows, oo);
+}
+
+void KW__ISA_NAME(kw__attention_blocks)(const kw__attn *a, int64_t u0, int64_t u1, void *work) {
+    const kw__attn_scratch w = kw__attn_carve(a, work);
+    int64_t cur_b = -1, cur_kh = -1, n = 0;
+    for (int64_t u = u0; u < u1; u++) {
+        int64_t b, kh, r0;
+        kw__attn_block_of(a, u, &b, &kh, &r0);
+        if (b != cur_b) n = scan_union(a, b, &w), cur_b = b, cur_kh = -1;
+        if (kh != cur_kh) {
+            const char *k = a->k + (size_t)(b * a->ks[0] + kh * a->ks[1]) * kw_dtype_size(a->kt);
+            pack_keys(a, k, w.pos, n, kw__attn_pad(n), w.kt);
+            cur_kh = kh;
+        }
+        block(a, &w, b, kh, r0, n);
     }
 }

@@ -115,6 +115,32 @@ static inline kw_v kw_v_reduce_add_lanes(const kw_v *v) {
                              _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xdd));
     return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xdd));
 }
+/* v[i] lane j <-> v[j] lane i: a KW_VW × KW_VW block transposed in registers. */
+static inline void kw_v_transpose(kw_v *v) {
+    __m512 a[16], b[16], c[16];
+    for (int i = 0; i < 8; i++)
+        a[2 * i] = _mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), a[2 * i + 1] = _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]);
+    for (int i = 0; i < 4; i++) /* b[4i + e], 128-bit lane l: column 4l + e of rows 4i .. 4i + 3 */
+        for (int h = 0; h < 2; h++) {
+            const __m512d x = _mm512_castps_pd(a[4 * i + h]), y = _mm512_castps_pd(a[4 * i + 2 + h]);
+            b[4 * i + 2 * h] = _mm512_castpd_ps(_mm512_unpacklo_pd(x, y));
+            b[4 * i + 2 * h + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(x, y));
+        }
+    for (int e = 0; e < 4; e++) {
+        c[e] = _mm512_shuffle_f32x4(b[e], b[4 + e], 0x88), c[4 + e] = _mm512_shuffle_f32x4(b[e], b[4 + e], 0xdd);
+        c[8 + e] = _mm512_shuffle_f32x4(b[8 + e], b[12 + e], 0x88);
+        c[12 + e] = _mm512_shuffle_f32x4(b[8 + e], b[12 + e], 0xdd);
+    }
+    for (int e = 0; e < 4; e++) {
+        v[e] = _mm512_shuffle_f32x4(c[e], c[8 + e], 0x88), v[8 + e] = _mm512_shuffle_f32x4(c[e], c[8 + e], 0xdd);
+        v[4 + e] = _mm512_shuffle_f32x4(c[4 + e], c[12 + e], 0x88);
+        v[12 + e] = _mm512_shuffle_f32x4(c[4 + e], c[12 + e], 0xdd);
+    }
+}
+/* Lane i: on where bit i of bits is set, off elsewhere. */
+static inline kw_v kw_v_blend_bits(unsigned bits, kw_v on, kw_v off) {
+    return _mm512_mask_blend_ps((__mmask16)bits, off, on);
+}
 static inline kw_v kw_v_swap_pairs(kw_v a) { return _mm512_permute_ps(a, 0xb1); } /* lanes 2i <-> 2i+1 */
 static inline kw_v kw_v_signs_even(void) { return _mm512_castsi512_ps(_mm512_set1_epi64(0x80000000)); }
 static inline float kw_v_reduce_add(kw_v a) { return _mm512_reduce_add_ps(a); }
@@ -208,6 +234,24 @@ static inline kw_v kw_v_reduce_add_lanes(const kw_v *v) {
         b[i] = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(x, y)), _mm256_castpd_ps(_mm256_unpackhi_pd(x, y)));
     }
     return _mm256_add_ps(_mm256_permute2f128_ps(b[0], b[1], 0x20), _mm256_permute2f128_ps(b[0], b[1], 0x31));
+}
+static inline void kw_v_transpose(kw_v *v) {
+    __m256 a[8], b[8];
+    for (int i = 0; i < 4; i++)
+        a[2 * i] = _mm256_unpacklo_ps(v[2 * i], v[2 * i + 1]), a[2 * i + 1] = _mm256_unpackhi_ps(v[2 * i], v[2 * i + 1]);
+    for (int i = 0; i < 2; i++) /* b[4i + e], 128-bit lane l: column 4l + e of rows 4i .. 4i + 3 */
+        for (int h = 0; h < 2; h++) {
+            const __m256d x = _mm256_castps_pd(a[4 * i + h]), y = _mm256_castps_pd(a[4 * i + 2 + h]);
+            b[4 * i + 2 * h] = _mm256_castpd_ps(_mm256_unpacklo_pd(x, y));
+            b[4 * i + 2 * h + 1] = _mm256_castpd_ps(_mm256_unpackhi_pd(x, y));
+        }
+    for (int e = 0; e < 4; e++)
+        v[e] = _mm256_permute2f128_ps(b[e], b[4 + e], 0x20), v[4 + e] = _mm256_permute2f128_ps(b[e], b[4 + e], 0x31);
+}
+static inline kw_v kw_v_blend_bits(unsigned bits, kw_v on, kw_v off) {
+    const __m256i lane = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    const __m256i set = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32((int)bits), lane), lane);
+    return _mm256_blendv_ps(off, on, _mm256_castsi256_ps(set));
 }
 static inline kw_v kw_v_swap_pairs(kw_v a) { return _mm256_permute_ps(a, 0xb1); }
 static inline kw_v kw_v_signs_even(void) { return _mm256_castsi256_ps(_mm256_set1_epi64x(0x80000000)); }
