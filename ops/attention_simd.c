@@ -187,19 +187,36 @@ static int64_t scan_union(const kw__attn *a, int64_t b, const kw__attn_scratch *
 /* The cache head's keys k[pos[j]] transposed in panels of KW_VW positions,
  * kt[(j / KW_VW) · D · KW_VW + d · KW_VW + j % KW_VW] in f32, zero for j in
  * [n, np): a vector of kt holds KW_VW positions of one d. */
-static void pack_keys(const kw__attn *a, const char *k, const int32_t *pos, int64_t n, int64_t np, float *kt) {
-    const size_t ksz = kw_dtype_size(a->kt);
+static inline __attribute__((always_inline)) void pack_panels(const kw__attn *a, const char *k, const int32_t *pos,
+                                                              int64_t n, int64_t np, float *kt, const kw_dtype dt) {
+    const size_t ksz = kw_dtype_size(dt);
     for (int64_t j0 = 0; j0 < np; j0 += KW_VW) {
         float *panel = kt + j0 * a->D;
+        const char *row[KW_VW];
+        int64_t live[KW_VW]; /* 1 for a position, 0 for the padding past n */
+        for (int t = 0; t < KW_VW; t++) {
+            live[t] = j0 + t < n;
+            row[t] = k + (size_t)(pos[live[t] ? j0 + t : 0] * a->ks[2]) * ksz;
+        }
         for (int64_t d0 = 0; d0 < a->D; d0 += KW_VW) {
             const int64_t nd = KW__MIN(KW_VW, a->D - d0);
             kw_v r[KW_VW];
-            for (int64_t t = 0; t < KW_VW; t++)
-                r[t] = j0 + t < n ? kw_v_ldn(k + (size_t)(pos[j0 + t] * a->ks[2]) * ksz, d0, nd, a->kt) : kw_v_zero();
+#pragma GCC unroll 16
+            for (int t = 0; t < KW_VW; t++) r[t] = kw_v_ldn(row[t], d0, live[t] * nd, dt);
             kw_v_transpose(r);
-            for (int64_t t = 0; t < nd; t++) kw_v_storeu(panel + (d0 + t) * KW_VW, r[t]);
+#pragma GCC unroll 16
+            for (int t = 0; t < KW_VW; t++)
+                if (t < nd) kw_v_storeu(panel + (d0 + t) * KW_VW, r[t]);
         }
     }
+}
+
+static void pack_keys(const kw__attn *a, const char *k, const int32_t *pos, int64_t n, int64_t np, float *kt) {
+    if (n == 0) return;
+    if (a->kt == KW_BF16)
+        pack_panels(a, k, pos, n, np, kt, KW_BF16);
+    else
+        pack_panels(a, k, pos, n, np, kt, KW_F32);
 }
 
 /* s[j] = the mask's bias at pos[j] (0 for bool or no mask), -inf where the mask
@@ -260,30 +277,44 @@ static void scores_block(const kw__attn *a, const float *kt, int64_t np, const f
     }
 }
 
-/* out row t = inv[t] · Σ_j p[t · np + j] · v[pos[j]] for j in [j0, j1), NV
- * vectors of Dv at a time: each V vector serves every row. */
+/* out row t, Dv elements d0 .. d0 + NV·KW_VW (fewer at the end) = inv[t] ·
+ * Σ_j p[t · np + j] · v[pos[j]] over j in [j0, j1): each V vector serves every
+ * row. vt is a constant at each call site: a branch on it inside the loop made
+ * the compiler keep the accumulators in memory. */
+static inline __attribute__((always_inline)) void pv_chunk(const kw__attn *a, const char *v, const int32_t *pos,
+                                                           int64_t j0, int64_t j1, const float *p, int64_t np,
+                                                           const float *inv, int64_t rows, const int64_t *oo, int64_t d0,
+                                                           const kw_dtype vt) {
+    const size_t vsz = kw_dtype_size(vt);
+    int64_t nd[NV];
+    for (int c = 0; c < NV; c++) nd[c] = KW__MAX(0, KW__MIN(KW_VW, a->Dv - d0 - c * KW_VW));
+    kw_v acc[ROWS][NV];
+    for (int t = 0; t < ROWS; t++)
+        for (int c = 0; c < NV; c++) acc[t][c] = kw_v_zero();
+    for (int64_t j = j0; j < j1; j++) {
+        const char *vrow = v + (size_t)(pos[j] * a->vs[2]) * vsz;
+        kw_v vv[NV];
+        for (int c = 0; c < NV; c++) vv[c] = kw_v_ldn(vrow, d0 + c * KW_VW, nd[c], vt);
+        for (int t = 0; t < ROWS; t++) {
+            const kw_v pb = kw_v_set1(p[t * np + j]);
+            for (int c = 0; c < NV; c++) acc[t][c] = kw_v_fmadd(pb, vv[c], acc[t][c]);
+        }
+    }
+    /* Unrolled, so that acc's indices are constants and acc stays in registers. */
+#pragma GCC unroll 8
+    for (int t = 0; t < ROWS; t++)
+#pragma GCC unroll 2
+        for (int c = 0; c < NV; c++)
+            if (t < rows && nd[c]) kw_v_stn(a->o, oo[t] + d0 + c * KW_VW, nd[c], a->ot, kw_v_mul(acc[t][c], kw_v_set1(inv[t])));
+}
+
 static void pv_block(const kw__attn *a, const char *v, const int32_t *pos, int64_t j0, int64_t j1, const float *p,
                      int64_t np, const float *inv, int64_t rows, const int64_t *oo) {
-    const size_t vsz = kw_dtype_size(a->vt);
-    for (int64_t d0 = 0; d0 < a->Dv; d0 += NV * KW_VW) {
-        int64_t nd[NV];
-        for (int c = 0; c < NV; c++) nd[c] = KW__MAX(0, KW__MIN(KW_VW, a->Dv - d0 - c * KW_VW));
-        kw_v acc[ROWS][NV];
-        for (int t = 0; t < ROWS; t++)
-            for (int c = 0; c < NV; c++) acc[t][c] = kw_v_zero();
-        for (int64_t j = j0; j < j1; j++) {
-            const char *vrow = v + (size_t)(pos[j] * a->vs[2]) * vsz;
-            kw_v vv[NV];
-            for (int c = 0; c < NV; c++) vv[c] = kw_v_ldn(vrow, d0 + c * KW_VW, nd[c], a->vt);
-            for (int t = 0; t < ROWS; t++) {
-                const kw_v pb = kw_v_set1(p[t * np + j]);
-                for (int c = 0; c < NV; c++) acc[t][c] = kw_v_fmadd(pb, vv[c], acc[t][c]);
-            }
-        }
-        for (int64_t t = 0; t < rows; t++)
-            for (int c = 0; c < NV; c++)
-                if (nd[c]) kw_v_stn(a->o, oo[t] + d0 + c * KW_VW, nd[c], a->ot, kw_v_mul(acc[t][c], kw_v_set1(inv[t])));
-    }
+    for (int64_t d0 = 0; d0 < a->Dv; d0 += NV * KW_VW)
+        if (a->vt == KW_BF16)
+            pv_chunk(a, v, pos, j0, j1, p, np, inv, rows, oo, d0, KW_BF16);
+        else
+            pv_chunk(a, v, pos, j0, j1, p, np, inv, rows, oo, d0, KW_F32);
 }
 
 /* The block of rows r0 .. r0 + ROWS - 1 of cache head kh of batch b, over the n
@@ -315,6 +346,7 @@ static void block(const kw__attn *a, const kw__attn_scratch *w, int64_t b, int64
         float *s = w->scores + t * np + j0;
         if (t >= rows) {
             if (j0 < j1) memset(s, 0, (size_t)(j1 - j0) * sizeof *s);
+            inv[t] = 0.0f;
             continue;
         }
         const float sum = j0 < j1 ? softmax_unnormalised(s, j1 - j0, a->vt) : 0.0f;
