@@ -1,7 +1,7 @@
 /* ops_bench — what kwker's kernels and pool reach on this machine, printed as
  * one JSON object (bench/ops.py builds and runs it; see bench/README.md).
  *
- *   ops_bench [--threads N] [--quick] [--read-only | --attention]
+ *   ops_bench [--threads N] [--quick] [--read-only | --attention | --linear]
  *
  * read_gbs       read bandwidth: the pool's threads each stream their slice of a
  *                2 GiB buffer (far beyond any L3); the faster of 32- and 64-byte
@@ -19,7 +19,8 @@
  *                SmolLM2-360M's heads (15 q, 5 kv, D 64), f32 and bf16, causal,
  *                ending at 512 of 1024 cached positions (--attention: only these).
  * dnnl_crossover linear vs matmul_dnnl over one layer's gate/up/down for M rows:
- *                f32, f32 x with linear on a bf16 copy (dnnl on f32), and bf16.
+ *                f32, f32 x with linear on a bf16 copy (dnnl on f32), and bf16
+ *                (--linear: only these).
  * ops_us         other decode-sized ops, each with its barrier.
  * Every time is the median over repeats. Progress goes to stderr. */
 #define _GNU_SOURCE
@@ -414,10 +415,10 @@ static void mm_task(void *arg, int ith, int nth) {
 /* linear over weights of dtype lin_wt (a bf16 copy of bf16-valued f32 weights
  * under f32 x) against matmul_dnnl over weights of x's dtype dt. */
 static void crossover(kw_pool *pool, kw_dtype dt, kw_dtype lin_wt, const char *key, const weights *w, FILE *out) {
-    static const int64_t Ms[] = {1, 2, 4, 8, 16, 32, 64, 128};
-    const int nm = g_quick ? 6 : 8;
+    static const int64_t Ms[] = {1, 2, 4, 5, 8, 16, 32, 64, 128};
+    const int nm = g_quick ? 7 : 9;
     const shape sh[3] = {{8192, 2048}, {8192, 2048}, {2048, 8192}};
-    double lin[8], dnn[8];
+    double lin[9], dnn[9];
     int64_t cross = -1;
     for (int mi = 0; mi < nm; mi++) {
         const int64_t M = Ms[mi];
@@ -517,8 +518,30 @@ static void decode_ops(kw_pool *pool, FILE *out) {
     kw_mem_free(a, big), kw_mem_free(b, big), kw_mem_free(y, big), kw_mem_free(w, big), kw_mem_free(idx, 64);
 }
 
+/* Every measure but dnnl_crossover, in the JSON's order. */
+static void everything_but_linear(kw_pool *pool, kw_pool *solo, const weights *w, const shape *sh, int n, FILE *out) {
+    bandwidth(pool, w, sh, n, out);
+
+    fprintf(stderr, "barrier...\n");
+    kw_call nop = {0};
+    const int iters = g_quick ? 20000 : 100000;
+    fprintf(out, ", \"barrier_us\": {\"1\": %.4f", per_op_us(solo, KW_OP_NOP, &nop, iters));
+    if (kw_pool_size(pool) > 1)
+        fprintf(out, ", \"%d\": %.4f", kw_pool_size(pool), per_op_us(pool, KW_OP_NOP, &nop, iters));
+    fprintf(out, "}");
+
+    fprintf(stderr, "attention...\n");
+    const double a256 = attention_us(pool, KW_BF16, 32, 8, 1, 128, 256), a4096 = attention_us(pool, KW_BF16, 32, 8, 1, 128, 4096);
+    fprintf(out, ", \"attention_us\": {\"S256\": %.3f, \"S4096\": %.3f}", a256, a4096);
+    attention_steps(pool, out);
+
+    fprintf(stderr, "decode ops...\n");
+    fprintf(out, ", \"ops_us\": ");
+    decode_ops(pool, out);
+}
+
 int main(int argc, char **argv) {
-    int threads = 0, read_only = 0, attention_only = 0;
+    int threads = 0, read_only = 0, attention_only = 0, linear_only = 0;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--quick"))
             g_quick = 1;
@@ -526,10 +549,12 @@ int main(int argc, char **argv) {
             read_only = 1;
         else if (!strcmp(argv[i], "--attention"))
             attention_only = 1;
+        else if (!strcmp(argv[i], "--linear"))
+            linear_only = 1;
         else if (!strcmp(argv[i], "--threads") && i + 1 < argc)
             threads = atoi(argv[++i]);
         else {
-            fprintf(stderr, "usage: ops_bench [--threads N] [--quick] [--read-only | --attention]\n");
+            fprintf(stderr, "usage: ops_bench [--threads N] [--quick] [--read-only | --attention | --linear]\n");
             return 2;
         }
     }
@@ -558,23 +583,7 @@ int main(int argc, char **argv) {
     w.x = alloc_or_die((size_t)128 * 8192 * 4);
     w.y = alloc_or_die((size_t)128 * 128256 * 4);
     for (int i = 0; i < 128 * 8192; i++) w.x[i] = 0.01f;
-    bandwidth(pool, &w, sh, n, out);
-
-    fprintf(stderr, "barrier...\n");
-    kw_call nop = {0};
-    const int iters = g_quick ? 20000 : 100000;
-    fprintf(out, ", \"barrier_us\": {\"1\": %.4f", per_op_us(solo, KW_OP_NOP, &nop, iters));
-    if (threads > 1) fprintf(out, ", \"%d\": %.4f", threads, per_op_us(pool, KW_OP_NOP, &nop, iters));
-    fprintf(out, "}");
-
-    fprintf(stderr, "attention...\n");
-    const double a256 = attention_us(pool, KW_BF16, 32, 8, 1, 128, 256), a4096 = attention_us(pool, KW_BF16, 32, 8, 1, 128, 4096);
-    fprintf(out, ", \"attention_us\": {\"S256\": %.3f, \"S4096\": %.3f}", a256, a4096);
-    attention_steps(pool, out);
-
-    fprintf(stderr, "decode ops...\n");
-    fprintf(out, ", \"ops_us\": ");
-    decode_ops(pool, out);
+    if (!linear_only) everything_but_linear(pool, solo, &w, sh, n, out);
 
     fprintf(stderr, "linear vs matmul_dnnl...\n");
     fprintf(out, ", \"dnnl_crossover\": {");
@@ -584,6 +593,7 @@ int main(int argc, char **argv) {
     fprintf(out, ", ");
     crossover(pool, KW_BF16, KW_BF16, "bf16", &w, out);
     fprintf(out, "}}\n");
+
 
     kw_mem_free(w.mem, w.bytes);
     kw_mem_free(w.x, (size_t)128 * 8192 * 4);

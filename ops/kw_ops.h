@@ -97,8 +97,15 @@ int64_t kw_linear_block(int64_t K);
  * bench/README.md); below it use linear. f32 × bf16 has no oneDNN path: linear
  * at every M. */
 enum {
-    KW_DNNL_MIN_M_F32 = 4,  /* f32 x, f32 weights */
-    KW_DNNL_MIN_M_BF16 = 8, /* bf16 x, bf16 weights */
+    KW_DNNL_MIN_M_F32 = 4, /* f32 x, f32 weights */
+    /* bf16 x, bf16 weights. Whole steps put the crossover higher than one
+     * layer's MLP timed alone (8 rows, dnnl_crossover): replayed steps of q
+     * positions (Zen 4, 2 threads), q = 8: SmolLM2-360M 29 ms with linear
+     * against 60 with oneDNN, Llama-3.2-1B 109 against 186; q = 16: 48 against
+     * 63 and 178 against 168. oneDNN's OpenMP threads also slow the ops
+     * between its calls (add_rms_norm 0.1 ms a step with linear, 2.3-2.8 with
+     * oneDNN). */
+    KW_DNNL_MIN_M_BF16 = 16,
     /* f32 x over bf16-valued f32 weights, which linear reads as a bf16 copy (half
      * the bytes) and matmul_dnnl as stored; on a 2-vCPU Intel Xeon linear took
      * 15.2 ms against 17.3 at M = 16, 26.8 against 23.2 at M = 32. */

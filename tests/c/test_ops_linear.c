@@ -17,7 +17,7 @@ static tt_tol lin_tol(kw_dtype yt, int64_t K) {
     return (tt_tol){1e-7 * (double)K + 1e-6, yt == KW_BF16 ? 0x1p-7 : 1e-6};
 }
 
-static const int64_t Ms[] = {1, 2, 3, 4, 5, 7, 8, 9, 16};
+static const int64_t Ms[] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 17};
 static const int64_t Ks[] = {1, 7, 16, 17, 31, 32, 33, 64, 100, 257};
 static const int64_t Ns[] = {1, 3, 4, 5, 17, 40};
 #define PICK(a, r) ((a)[tt_int(r, 0, (int64_t)(sizeof(a) / sizeof *(a)) - 1)])
