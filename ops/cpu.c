@@ -75,27 +75,33 @@ kw_isa kw_cpu_isa(void) {
     return (kw_isa)cached;
 }
 
+static int is_intel(void) {
+    unsigned int a, b, c, d;
+    return __get_cpuid(0, &a, &b, &c, &d) && b == 0x756e6547 && d == 0x49656e69 && c == 0x6c65746e; /* "GenuineIntel" */
+}
+
 /* Streaming weights row after row, one core keeps only so many lines in flight
  * on the hardware prefetchers alone. Measured with bench/ops_bench.c (GEMV over
  * 1.1 GB of Llama-3.2-1B-shaped bf16 weights, 2 threads): on a 2-vCPU Intel Xeon
  * (AVX512-BF16, AMX) the kernels read at 0.73-0.87 of the plain read loop without
  * software prefetch and at 0.94-1.09 with lines prefetched 2-8 KiB ahead (4 KiB
  * kept; f32 weights 0.86-0.97 -> 1.00-1.12); on Zen 4 software prefetch made
- * them slower (0.6 against 0.91), so other vendors get none. */
-static int64_t default_prefetch_bytes(void) {
-    unsigned int a, b, c, d;
-    if (!__get_cpuid(0, &a, &b, &c, &d)) return 0;
-    const int intel = b == 0x756e6547 && d == 0x49656e69 && c == 0x6c65746e; /* "GenuineIntel" */
-    return intel ? 4096 : 0;
-}
-
-int64_t kw_cpu_prefetch_bytes(void) {
-    static int64_t cached = -1; /* benign race, as in kw_cpu_isa */
-    if (cached < 0) {
+ * them slower (0.6 against 0.91), so other vendors get none for one row of x.
+ * With several rows each weight line takes several times the arithmetic, and
+ * there Zen 4's prefetchers fall behind too: over SmolLM2-360M's replayed steps
+ * (2 threads, calls interleaved), lines 4 KiB ahead took q = 4 from 40.9 to
+ * 31.4 ms (f32 x over bf16 copies), q = 5 from 42.7 to 35.5, q = 8 from 50.5 to
+ * 43.9, and bf16 q = 5 from 32.6 to 28.2, q = 8 from 35.9 to 31.5 (1, 2 and
+ * 16 KiB ahead measured no better). */
+int64_t kw_cpu_prefetch_bytes(int64_t rows) {
+    static int64_t from_env = -2, intel = -1; /* from_env -1: not set; benign races, as in kw_cpu_isa */
+    if (from_env == -2) {
         const char *env = getenv("KWKER_PREFETCH");
         char *end;
         const long long v = env ? strtoll(env, &end, 10) : -1;
-        cached = env && *env && !*end && v >= 0 && v <= (1 << 20) ? v : default_prefetch_bytes();
+        from_env = env && *env && !*end && v >= 0 && v <= (1 << 20) ? v : -1;
     }
-    return cached;
+    if (from_env >= 0) return from_env;
+    if (intel < 0) intel = is_intel();
+    return intel || rows > 1 ? 4096 : 0;
 }

@@ -75,7 +75,7 @@ int kw__lin_prepare(const kw_call *c, const char *op, int n_out, kw_isa isa, kw_
     g->wbs = blocked ? w->stride[0] : 0;
     g->kblk = kblk;
     g->wt = w->dtype;
-    g->pf = kw_cpu_prefetch_bytes();
+    g->pf = kw_cpu_prefetch_bytes(g->M);
 
     if (kw__present(b)) {
         if (!kw__is_float(b->dtype) || b->ndim != 1 || b->shape[0] != g->n_total)

@@ -1,4 +1,4 @@
-/* The shared vocabulary: dtype table, error texts, op registry, ISA detection. */
+/* The shared vocabulary: dtype table, error texts, op registry, ISA detection, prefetch distance. */
 #include <criterion/criterion.h>
 #include <string.h>
 
@@ -44,4 +44,19 @@ Test(cpu, detected_isa_agrees_with_the_compiler_builtin) {
     if (getenv("KWKER_ISA")) return; /* a cap makes the comparison meaningless */
     cr_expect_eq(isa >= KW_ISA_AVX2, __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"));
     cr_expect_eq(isa >= KW_ISA_AVX512, __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw"));
+}
+
+/* Criterion runs each test in its own process, so the environment read on the
+ * first call is this test's. */
+Test(cpu, prefetch_distance_by_vendor_and_rows) {
+    unsetenv("KWKER_PREFETCH");
+    __builtin_cpu_init();
+    cr_expect_eq(kw_cpu_prefetch_bytes(1), __builtin_cpu_is("intel") ? 4096 : 0, "one row: Intel only");
+    cr_expect_eq(kw_cpu_prefetch_bytes(5), 4096, "several rows: every CPU");
+}
+
+Test(cpu, prefetch_distance_from_the_environment_for_every_row_count) {
+    setenv("KWKER_PREFETCH", "1024", 1);
+    cr_expect_eq(kw_cpu_prefetch_bytes(1), 1024);
+    cr_expect_eq(kw_cpu_prefetch_bytes(8), 1024);
 }
