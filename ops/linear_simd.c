@@ -48,9 +48,9 @@ static inline __attribute__((always_inline)) void prefetch_ahead(const void *p, 
  * (half of Zen 4's 32 KiB), and never fewer than 4 rows, the tile these kernels
  * had before. Measured over SmolLM2-360M's steps (Zen 4, 2 threads, calls
  * interleaved): tiles of 8 rows of f32 (30 KiB of activations) made 8-row
- * steps 58 ms against 46 with tiles of 4; within the budget, 8 rows of bf16 made
- * 8-row steps of bf16 linears as fast as oneDNN; and 5 rows as one tile
- * (or 3 + 2) instead of 4 + 1 took 5-row bf16 steps from 49.6 to 27.5 ms. */
+ * steps 58 ms against 46 with tiles of 4; 5 rows as one tile (or 3 + 2)
+ * instead of 4 + 1 took 5-row bf16 steps from 49.6 to 27.5 ms; and tiles of 8
+ * bf16 rows made an 8-row bf16 step 29 ms, where oneDNN took 60 (kw_ops.h). */
 #if KW_VW == 16
 #define KW__MB_MAX 8
 #else
@@ -211,22 +211,19 @@ typedef struct kw__acts {
     int mb_max;   /* activation rows per tile, see tile_rows */
 } kw__acts;
 
-static kw__acts acts_of(const kw__lin *g, void *work) {
-    kw__acts a;
-#if defined(__AVX512BF16__)
-    if (g->xt == KW_BF16 && g->wt == KW_BF16)
-        a = (kw__acts){runs_dp, g->x, g->xs, g->kblk, 2, 0};
-    else
-#endif
-        if (g->wt == KW_F32)
-        a = (kw__acts){runs_f32, g->x, g->xs, g->kblk, 4, 0};
-    else {
-        const int64_t nb = g->K / g->kblk, bp = kw__lin_block_padded(g->kblk);
-        a = (kw__acts){runs_pairs, work, nb * bp, bp, 4, 0};
-    }
-    const int64_t fit = KW__TILE_ACTS_BYTES / (int64_t)(g->kblk * a.esize);
-    a.mb_max = (int)KW__MAX(4, KW__MIN(KW__MB_MAX, fit));
+/* As many activation rows per tile as KW__TILE_ACTS_BYTES holds of one block. */
+static kw__acts with_tile_rows(kw__acts a, int64_t kblk) {
+    a.mb_max = (int)KW__MAX(4, KW__MIN(KW__MB_MAX, KW__TILE_ACTS_BYTES / (kblk * (int64_t)a.esize)));
     return a;
+}
+
+static kw__acts acts_of(const kw__lin *g, void *work) {
+#if defined(__AVX512BF16__)
+    if (g->xt == KW_BF16 && g->wt == KW_BF16) return with_tile_rows((kw__acts){runs_dp, g->x, g->xs, g->kblk, 2, 0}, g->kblk);
+#endif
+    if (g->wt == KW_F32) return with_tile_rows((kw__acts){runs_f32, g->x, g->xs, g->kblk, 4, 0}, g->kblk);
+    const int64_t nb = g->K / g->kblk, bp = kw__lin_block_padded(g->kblk);
+    return with_tile_rows((kw__acts){runs_pairs, work, nb * bp, bp, 4, 0}, g->kblk);
 }
 
 void KW__ISA_NAME(kw__linear_acts)(const kw__lin *g, void *work) {
