@@ -90,9 +90,11 @@ def step_cost(model, repeats: int) -> list[dict]:
     """The forward generate() compiles, called directly: q new tokens at
     positions CACHED.. of a static cache whose first CACHED positions a prefill
     wrote; each backend has its own cache. transformers' StaticCache writes at
-    its own counter (cumulative_length), which every call advances, while the
-    mask and rotary follow cache_position: each call attends over the same
-    CACHED + i positions and writes past them, 2 + repeats calls of each q."""
+    its own counter (cumulative_length), which every call advances, and the
+    mask keeps every position written so far, while rotary follows
+    cache_position: a backend's calls attend over CACHED positions and then
+    those its earlier calls wrote (2 + repeats calls of each q, interleaved:
+    at most (2 + repeats) · sum(QS) more), the same for every backend."""
     if CACHED + (2 + repeats) * sum(QS) > MAX_CACHE_LEN:
         raise SystemExit(f"step_cost: {repeats} repeats would write past the cache's {MAX_CACHE_LEN} positions")
     rows = []
