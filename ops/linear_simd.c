@@ -43,20 +43,21 @@ static inline __attribute__((always_inline)) void prefetch_ahead(const void *p, 
 /* MB (and U) are constants at every call site (the run wrappers below), so the
  * accumulators live in registers and the loops unroll. The bf16 pairs take two
  * accumulators per activation row: 8 rows fill 16 of AVX-512's 32 registers, 4
- * rows 8 of AVX2's 16. A tile's rows of one block of activations must also stay
- * in L1 beside the weights streaming through it: at most KW__TILE_ACTS_BYTES
- * (half of Zen 4's 32 KiB), and never fewer than 4 rows, the tile these kernels
- * had before. Measured over SmolLM2-360M's steps (Zen 4, 2 threads, calls
- * interleaved): tiles of 8 rows of f32 (30 KiB of activations) made 8-row
- * steps 58 ms against 46 with tiles of 4; 5 rows as one tile (or 3 + 2)
- * instead of 4 + 1 took 5-row bf16 steps from 49.6 to 27.5 ms; and tiles of 8
- * bf16 rows made an 8-row bf16 step 29 ms, where oneDNN took 60 (kw_ops.h). */
+ * rows 8 of AVX2's 16. A tile's rows of one block of activations must also fit
+ * in L1 (Zen 4's 32 KiB: KW__TILE_ACTS_BYTES), never fewer than 4 rows, the tile
+ * these kernels had before. Measured over SmolLM2-360M's steps (Zen 4, 2
+ * threads, calls interleaved): 5 rows as one tile (or 3 + 2) instead of 4 + 1
+ * took 5-row bf16 steps from 49.6 to 27.5 ms; tiles of 8 bf16 rows made an 8-row
+ * bf16 step 29 ms, where oneDNN took 60 (kw_ops.h). 8 rows of f32 (30 KiB) made
+ * 8-row steps 58 ms against 46 with tiles of 4 while the weights had no
+ * software prefetch for several rows, and 41.6 against 46.4 (41.3 / 48.7 in a
+ * second run) with it (kw_cpu_prefetch_bytes). */
 #if KW_VW == 16
 #define KW__MB_MAX 8
 #else
 #define KW__MB_MAX 4
 #endif
-#define KW__TILE_ACTS_BYTES 16384
+#define KW__TILE_ACTS_BYTES 32768
 /* U: independent accumulator chains per row, for one or two rows whose FMAs
  * would otherwise wait on each other. */
 #define KW__UNROLL(MB) ((MB) <= 2 ? 2 : 1)
