@@ -594,7 +594,6 @@ int main(int argc, char **argv) {
     crossover(pool, KW_BF16, KW_BF16, "bf16", &w, out);
     fprintf(out, "}}\n");
 
-
     kw_mem_free(w.mem, w.bytes);
     kw_mem_free(w.x, (size_t)128 * 8192 * 4);
     kw_mem_free(w.y, (size_t)128 * 128256 * 4);

@@ -212,19 +212,20 @@ typedef struct kw__acts {
     int mb_max;   /* activation rows per tile, see tile_rows */
 } kw__acts;
 
-/* As many activation rows per tile as KW__TILE_ACTS_BYTES holds of one block. */
-static kw__acts with_tile_rows(kw__acts a, int64_t kblk) {
-    a.mb_max = (int)KW__MAX(4, KW__MIN(KW__MB_MAX, KW__TILE_ACTS_BYTES / (kblk * (int64_t)a.esize)));
+/* As many activation rows per tile as KW__TILE_ACTS_BYTES holds of one block
+ * (kbs elements a row, the rearranged pairs' padding included). */
+static kw__acts with_tile_rows(kw__acts a) {
+    a.mb_max = (int)KW__MAX(4, KW__MIN(KW__MB_MAX, KW__TILE_ACTS_BYTES / (a.kbs * (int64_t)a.esize)));
     return a;
 }
 
 static kw__acts acts_of(const kw__lin *g, void *work) {
 #if defined(__AVX512BF16__)
-    if (g->xt == KW_BF16 && g->wt == KW_BF16) return with_tile_rows((kw__acts){runs_dp, g->x, g->xs, g->kblk, 2, 0}, g->kblk);
+    if (g->xt == KW_BF16 && g->wt == KW_BF16) return with_tile_rows((kw__acts){runs_dp, g->x, g->xs, g->kblk, 2, 0});
 #endif
-    if (g->wt == KW_F32) return with_tile_rows((kw__acts){runs_f32, g->x, g->xs, g->kblk, 4, 0}, g->kblk);
+    if (g->wt == KW_F32) return with_tile_rows((kw__acts){runs_f32, g->x, g->xs, g->kblk, 4, 0});
     const int64_t nb = g->K / g->kblk, bp = kw__lin_block_padded(g->kblk);
-    return with_tile_rows((kw__acts){runs_pairs, work, nb * bp, bp, 4, 0}, g->kblk);
+    return with_tile_rows((kw__acts){runs_pairs, work, nb * bp, bp, 4, 0});
 }
 
 void KW__ISA_NAME(kw__linear_acts)(const kw__lin *g, void *work) {
