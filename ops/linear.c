@@ -1,6 +1,7 @@
-/* linear: y = x·Wᵀ (+ bias) for the few rows of decode (GEMV), and linear_multi:
+/* linear: y = x·Wᵀ (+ bias) for the few rows of decode (GEMV); linear_multi:
  * one pass over x for weights stored back to back (q/k/v, gate/up) with the result
- * split over up to four outputs.
+ * split over up to four outputs; grouped_linear: a mixture of experts' projection,
+ * each expert's rows of x over its own weight.
  *
  * Weights are PyTorch's [out, in] layout, F32 or BF16. Activations F32: bf16
  * weights are widened exactly and every product is accumulated in f32, so the
@@ -174,4 +175,129 @@ const kw_op_info kw_op_info_linear_multi = {
     .work_size = kw__lin_work,
     .shares_work = 1,
     .kernel = linear_kernel,
+};
+
+/* ---- grouped_linear: slots y [S, N], x [S, K], weight [E, N, K], offs [E] (int32 or int64) ----
+ * transformers' grouped_mm over a mixture of experts' weights: x's rows are
+ * sorted by expert, expert e's are [offs[e - 1], offs[e]) (offs[-1] = 0), and
+ * y's rows are x's rows times that expert's weight [N, K], transposed; rows past
+ * offs[E - 1] are zero, as transformers' fallback writes them. Each expert with
+ * rows is one linear call over its own weight; the threads claim chunks of the
+ * weight rows of every such expert in turn, the way linear hands out one
+ * weight's, so a call reads only the experts it routes to. Offsets that
+ * decrease or pass S are reported (the replay fails with KW_EINDEX) and
+ * nothing is computed. Never the AMX kernel: an expert's row count changes
+ * every call and is one or two in decode, where AVX-512 measured faster. */
+
+#define KW__GROUPED_MAX_EXPERTS 1024
+
+typedef struct kw__grouped {
+    kw__lin lin; /* one expert's call: its x, M, weight and y set per expert, M = S here */
+    int64_t experts, es; /* the weight's expert count and expert stride (elements) */
+} kw__grouped;
+
+static int64_t grouped_offset(const kw_tensor *offs, int64_t e) {
+    const int64_t i = e * offs->stride[0];
+    return offs->dtype == KW_I64 ? ((const int64_t *)offs->data)[i] : ((const int32_t *)offs->data)[i];
+}
+
+static int grouped_linear_prepare(const kw_call *c, kw_isa isa, void *prep, char *msg, size_t len) {
+    kw__grouped *p = prep;
+    kw__lin *g = &p->lin;
+    const kw_tensor *x = &c->t[1], *w = &c->t[2], *offs = &c->t[3];
+    int err;
+    if (!kw__present(x) || !kw__is_float(x->dtype) || x->ndim != 2 || !kw__rows_of(x, &g->M, &g->xs) ||
+        kw__last(x) < 1)
+        return kw__fail(msg, len, KW_ESHAPE,
+                        "grouped_linear: x must be float32 or bfloat16 [S, K] with K >= 1 and contiguous rows (got %s)",
+                        kw__shape(x).s);
+    g->xt = g->yt = x->dtype;
+    g->K = kw__last(x);
+    if (kw__present(w) && x->dtype == KW_BF16 && w->dtype != KW_BF16)
+        return kw__fail(msg, len, KW_EDTYPE, "grouped_linear: weight must be bfloat16 when x is bfloat16 (got %s)",
+                        kw__shape(w).s);
+    if (!kw__present(w) || !kw__is_float(w->dtype) || w->ndim != 3 || w->shape[0] < 1 ||
+        w->shape[0] > KW__GROUPED_MAX_EXPERTS || w->shape[2] != g->K || (g->K > 1 && w->stride[2] != 1))
+        return kw__fail(msg, len, KW_ESHAPE,
+                        "grouped_linear: weight must be float32 or bfloat16 [E, N, K] with 1 <= E <= %d, K == "
+                        "x.shape[-1] == %lld and contiguous rows (got %s)",
+                        KW__GROUPED_MAX_EXPERTS, (long long)g->K, kw__shape(w).s);
+    if (!kw__present(offs) || (offs->dtype != KW_I32 && offs->dtype != KW_I64) || offs->ndim != 1 ||
+        offs->shape[0] != w->shape[0])
+        return kw__fail(msg, len, KW_ESHAPE, "grouped_linear: offs must be int32 or int64 [E] with E == %lld (got %s)",
+                        (long long)w->shape[0], kw__shape(offs).s);
+    if ((err = lin_check_out(c, "grouped_linear", 0, g, &g->out[0], msg, len))) return err;
+    if (g->out[0].n != w->shape[1] || c->t[0].ndim != 2)
+        return kw__fail(msg, len, KW_ESHAPE, "grouped_linear: y must be [S, N] with N == %lld, the weight's rows (got %s)",
+                        (long long)w->shape[1], kw__shape(&c->t[0]).s);
+    g->slots = g->n_out = 1;
+    g->n_total = w->shape[1];
+    g->ws = w->stride[1];
+    g->kblk = g->K;
+    g->wt = w->dtype;
+    g->acts = KW__PICK(kw__linear_acts, isa);
+    g->rows = KW__PICK(kw__linear_rows, isa);
+    p->experts = w->shape[0];
+    p->es = w->stride[0];
+    return 0;
+}
+
+static void grouped_linear_kernel(const kw_call *c, int ith, int nth) {
+    const kw__grouped *p = c->prep;
+    const kw_tensor *offs = &c->t[3];
+    const int64_t S = p->lin.M, N = p->lin.n_total;
+    /* The experts with rows this call, the a-th's rows [start[a], start[a + 1]):
+     * every thread reads the same offsets and makes the same list. */
+    int64_t expert[KW__GROUPED_MAX_EXPERTS], start[KW__GROUPED_MAX_EXPERTS + 1], end = 0;
+    int64_t active = 0;
+    for (int64_t e = 0; e < p->experts; e++) {
+        const int64_t next = grouped_offset(offs, e);
+        if (next < end || next > S) {
+            kw__report_index(c, next, S + 1);
+            return;
+        }
+        if (next > end) expert[active] = e, start[active++] = end;
+        end = next;
+    }
+    start[active] = end;
+
+    kw__lin g = p->lin, all = p->lin;
+    const size_t xsz = kw_dtype_size(g.xt), wsz = kw_dtype_size(g.wt);
+    char *const x = c->t[1].data, *const w = c->t[2].data, *const y = c->t[0].data;
+    int64_t r0, r1;
+    kw__split(S - end, 1, ith, nth, &r0, &r1);
+    for (int64_t r = end + r0; r < end + r1; r++) memset(y + (size_t)(r * g.out[0].ys) * xsz, 0, (size_t)N * xsz);
+
+    all.n_total = active * N; /* the active experts' weight rows, one after another */
+    void *work = kw__work(c, ith);
+    int64_t own = 0, v0, v1, laid_out = -1;
+    while (kw__lin_claim(&all, c->share, &own, ith, nth, &v0, &v1)) {
+        while (v0 < v1) {
+            const int64_t a = v0 / N, n1 = KW__MIN(v1 - a * N, N);
+            if (a != laid_out) {
+                g.x = x + (size_t)(start[a] * g.xs) * xsz;
+                g.M = start[a + 1] - start[a];
+                g.w = w + (size_t)(expert[a] * p->es) * wsz;
+                g.out[0].y = y + (size_t)(start[a] * g.out[0].ys) * xsz;
+                g.pf = kw_cpu_prefetch_bytes(g.M);
+                g.acts(&g, work);
+                laid_out = a;
+            }
+            g.rows(&g, v0 - a * N, n1, work);
+            v0 = a * N + n1;
+        }
+    }
+}
+
+static size_t grouped_linear_work(const void *prep) { return kw__lin_work_size(&((const kw__grouped *)prep)->lin); }
+
+const kw_op_info kw_op_info_grouped_linear = {
+    .name = "grouped_linear",
+    .n_tensors = 4,
+    .arg = {{"y", KW_WRITE, 0}, {"x", KW_READ, 0}, {"weight", KW_READ, 0}, {"offs", KW_READ, 0}},
+    .prepare = grouped_linear_prepare,
+    .prep_size = sizeof(kw__grouped),
+    .work_size = grouped_linear_work,
+    .shares_work = 1,
+    .kernel = grouped_linear_kernel,
 };

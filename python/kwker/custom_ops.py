@@ -25,6 +25,9 @@ _SCHEMAS = {
     "linear": "linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor",
     # one pass over x for weights stored back to back; outputs split by `sizes`
     "linear_multi": "linear_multi(Tensor x, Tensor weight, Tensor? bias, int[] sizes) -> Tensor[]",
+    # A mixture of experts' projection (transformers' grouped_mm): x's rows sorted by
+    # expert, rows [offs[e-1], offs[e]) times weight[e].T ([E, N, K]), rows past offs[-1] zero
+    "grouped_linear": "grouped_linear(Tensor x, Tensor weight, Tensor offs) -> Tensor",
     # q [B,Hq,1,D] over caches [B,Hkv,S,D] with Hq % Hkv == 0, without repeating K/V
     "attention": "attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor? mask, float scale) -> Tensor",
 }
@@ -67,6 +70,15 @@ def _linear_multi(x, weight, bias, sizes):
     return list(_linear(x, weight, bias).split(sizes, dim=-1))
 
 
+def _grouped_linear(x, weight, offs):
+    y = torch.zeros(x.shape[0], weight.shape[1], dtype=x.dtype)
+    start = 0
+    for e, end in enumerate(offs.tolist()):
+        y[start:end] = _linear(x[start:end], weight[e], None)
+        start = end
+    return y
+
+
 def _attention(q, k_cache, v_cache, mask, scale):
     return F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask, scale=scale, enable_gqa=True)
 
@@ -79,6 +91,7 @@ _EAGER = {
     "gelu_mul": _gelu_mul,
     "linear": _linear,
     "linear_multi": _linear_multi,
+    "grouped_linear": _grouped_linear,
     "attention": _attention,
 }
 for _name, _fn in _EAGER.items():
@@ -87,7 +100,11 @@ for _name, _fn in _EAGER.items():
 
 # The fake (meta) implementations are the eager code run on fake tensors: shapes
 # and dtypes follow from the one definition, so the two cannot drift apart.
+# grouped_linear's eager code reads its offsets, which a fake tensor has not.
 for _name, _fn in _EAGER.items():
-    torch.library.register_fake(f"kwker::{_name}", _fn, lib=_lib)
+    if _name != "grouped_linear":
+        torch.library.register_fake(f"kwker::{_name}", _fn, lib=_lib)
+torch.library.register_fake("kwker::grouped_linear", lambda x, weight, offs: x.new_empty(x.shape[0], weight.shape[1]),
+                            lib=_lib)
 
 ops = torch.ops.kwker

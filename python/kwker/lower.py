@@ -118,6 +118,7 @@ class _Lowering:
 
     def weight_view(self, w: Node) -> int:
         """A linear's weight: [N, K], or [K/B, N, B] when its copy is K-blocked
+        (grouped_linear's: [E, N, K])
         (the copy's own layout, kwker.weights'). A model's own weight, read as
         stored, is moved onto huge pages in place: streamed through 4 KiB pages
         it read 20 % slower at 60 GB/s."""
@@ -294,6 +295,11 @@ def _lower_linear_multi(lw: _Lowering, node: Node):
     lw.op(node, "linear_multi", [*outs, lw.view(val(x)), lw.weight_view(w), lw.arg_view(bias)])
 
 
+def _lower_grouped_linear(lw: _Lowering, node: Node):
+    x, w, offs = node.args
+    lw.op(node, "grouped_linear", [lw.view(val(node)), lw.view(val(x)), lw.weight_view(w), lw.view(val(offs))])
+
+
 def _norm_flags(gemma: bool) -> list[int]:
     return [P["NORM_GEMMA"] if gemma else 0]
 
@@ -433,6 +439,7 @@ def _lower_add_inplace(lw: _Lowering, node: Node):
 LOWERINGS = {
     ops.linear.default: _lower_linear,
     ops.linear_multi.default: _lower_linear_multi,
+    ops.grouped_linear.default: _lower_grouped_linear,
     ops.rms_norm.default: _lower_rms_norm,
     ops.add_rms_norm.default: _lower_add_rms_norm,
     ops.rotary.default: _lower_rotary,

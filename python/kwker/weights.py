@@ -1,5 +1,6 @@
 """How a replayed plan stores the weights its linears read, decided once per
-linear, and how its copies are kept equal to the model's weights.
+linear (or per mixture of experts' weights), and how its copies are kept equal
+to the model's weights.
 
 A weight is read as stored (the model's own tensor, bound on every call) when
 its linear has rows enough for oneDNN's matmul to be faster (DNNL_MIN_ROWS: the
@@ -82,6 +83,13 @@ def decide(weights: list[torch.Tensor], rows: int) -> Storage | None:
     if len(weights) == 1 and as_stored:
         return None
     return Storage(dtype, _C.linear_block(weights[0].shape[1]) if weights[0].dim() == 2 else 0)
+
+
+def decide_experts(weights: torch.Tensor) -> Storage | None:
+    """The storage of a mixture of experts' weights [E, N, K] (grouped_linear's):
+    a bf16 copy when they are bf16-valued float32, else None (read as stored).
+    Never K-blocked, and never oneDNN's: it has no grouped matmul."""
+    return Storage(torch.bfloat16, 0) if is_bf16_valued(weights) else None
 
 
 def bias_storage(biases: list[torch.Tensor]) -> Storage:

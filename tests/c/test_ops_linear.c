@@ -330,3 +330,101 @@ Test(matmul_dnnl, rejects_mixed_dtypes) {
     tt_expect_reject(KW_OP_MATMUL_DNNL, &k.c, KW_EDTYPE, "matmul_dnnl: weight and bias must have x's dtype");
     tt_free(&k);
 }
+
+/* grouped_linear: slots y (0), x (1), weight [E, N, K] (2), offs (3). Offsets
+ * sorted from random draws in [0, S]: experts without rows, several rows each,
+ * and (one trial in three) rows past the last offset, which must come out zero. */
+static void make_grouped(tt_case *k, kw_dtype xt, kw_dtype wt, int64_t S, int64_t E, int64_t K, int64_t N,
+                         kw_dtype ot, int tail, tt_rng *r) {
+    tt_padded(k, 1, xt, 2, TT_DIMS(S, K), tt_int(r, 0, 1) * 5, -1, 1, r);
+    tt_padded(k, 2, wt, 3, TT_DIMS(E, N, K), tt_int(r, 0, 1) * 3, -1, 1, r);
+    tt_padded(k, 0, xt, 2, TT_DIMS(S, N), tt_int(r, 0, 1) * 3, -1, 1, r);
+    kw_tensor *offs = tt_tensor(k, 3, ot, 1, TT_DIMS(E), NULL, 0, 0, r);
+    int64_t v[16];
+    for (int64_t e = 0; e < E; e++) v[e] = tt_int(r, 0, S);
+    for (int64_t i = 1; i < E; i++)
+        for (int64_t j = i; j > 0 && v[j - 1] > v[j]; j--) {
+            const int64_t t = v[j];
+            v[j] = v[j - 1], v[j - 1] = t;
+        }
+    if (!tail) v[E - 1] = S;
+    for (int64_t e = 0; e < E; e++) tt_set(offs, (int64_t[]){e}, (double)v[e]);
+}
+
+/* y against a double-precision sum of the same values, row by row from its expert. */
+static void expect_grouped_product(const tt_case *k, int64_t S, int64_t E, int64_t K, int64_t N, const char *what) {
+    const kw_tensor *y = &k->c.t[0], *x = &k->c.t[1], *w = &k->c.t[2], *offs = &k->c.t[3];
+    for (int64_t s = 0, e = 0; s < S; s++) {
+        while (e < E && tt_get(offs, (int64_t[]){e}) <= s) e++;
+        for (int64_t n = 0; n < N; n++) {
+            double want = 0, mag = 0;
+            for (int64_t i = 0; e < E && i < K; i++) {
+                const double p = tt_get(x, (int64_t[]){s, i}) * tt_get(w, (int64_t[]){e, n, i});
+                want += p, mag += fabs(p);
+            }
+            const double got = tt_get(y, (int64_t[]){s, n});
+            cr_assert_leq(fabs(got - want), 2e-6 * mag + (y->dtype == KW_BF16 ? 0x1p-7 * fabs(want) : 0),
+                          "%s: y[%lld, %lld] = %g, want %g (expert %lld)", what, (long long)s, (long long)n, got, want,
+                          (long long)e);
+        }
+    }
+}
+
+Test(grouped_linear, every_variant_matches_the_reference_and_each_expert_its_rows) {
+    tt_rng r = {12};
+    static const kw_dtype pairs[][2] = {{KW_F32, KW_F32}, {KW_F32, KW_BF16}, {KW_BF16, KW_BF16}};
+    static const int64_t Es[] = {1, 2, 3, 5, 8, 16}, Ss[] = {1, 2, 3, 4, 8, 13};
+    for (int trial = 0; trial < 90; trial++) {
+        const kw_dtype xt = pairs[trial % 3][0], wt = pairs[trial % 3][1];
+        const int64_t S = PICK(Ss, &r), E = PICK(Es, &r), K = PICK(Ks, &r), N = trial % 5 ? PICK(Ns, &r) : 100;
+        tt_case k = {0};
+        make_grouped(&k, xt, wt, S, E, K, N, trial % 2 ? KW_I32 : KW_I64, trial % 3 == 1, &r);
+        char what[112];
+        snprintf(what, sizeof what, "x %s w %s S=%lld E=%lld K=%lld N=%lld", kw_dtype_name(xt), kw_dtype_name(wt),
+                 (long long)S, (long long)E, (long long)K, (long long)N);
+        tt_check_variants(KW_OP_GROUPED_LINEAR, &k, lin_tol(xt, K), what);
+        tt_run_shared(KW_OP_GROUPED_LINEAR, kw_cpu_isa(), &k.c, 2, 1);
+        expect_grouped_product(&k, S, E, K, N, what);
+        tt_free(&k);
+    }
+}
+
+Test(grouped_linear, reports_offsets_out_of_order_or_past_the_rows) {
+    tt_rng r = {13};
+    for (int bad = 0; bad < 2; bad++) {
+        tt_case k = {0};
+        make_grouped(&k, KW_F32, KW_BF16, 4, 3, 16, 8, KW_I64, 0, &r);
+        const int64_t offs[2][3] = {{3, 1, 4}, {1, 2, 5}};
+        for (int64_t e = 0; e < 3; e++) tt_set(&k.c.t[3], (int64_t[]){e}, (double)offs[bad][e]);
+        kw_fault fault = {0};
+        k.c.fault = &fault;
+        tt_run_shared(KW_OP_GROUPED_LINEAR, kw_cpu_isa(), &k.c, 2, 1);
+        cr_expect(atomic_load(&fault.reported), "offsets %d", bad);
+        cr_expect(fault.index == (bad ? 5 : 1) && fault.size == 5, "offsets %d: index %lld size %lld", bad,
+                  (long long)fault.index, (long long)fault.size);
+        tt_free(&k);
+    }
+}
+
+Test(grouped_linear, check_names_the_bad_slot) {
+    tt_rng r = {14};
+    tt_case k = {0};
+    make_grouped(&k, KW_BF16, KW_F32, 4, 3, 16, 8, KW_I64, 0, &r);
+    tt_expect_reject(KW_OP_GROUPED_LINEAR, &k.c, KW_EDTYPE, "grouped_linear: weight must be bfloat16 when x is");
+    tt_free(&k);
+
+    make_grouped(&k, KW_F32, KW_F32, 4, 3, 16, 8, KW_I64, 0, &r);
+    tt_tensor(&k, 2, KW_F32, 2, TT_DIMS(8, 16), NULL, -1, 1, &r);
+    tt_expect_reject(KW_OP_GROUPED_LINEAR, &k.c, KW_ESHAPE, "grouped_linear: weight must be float32 or bfloat16 [E, N, K]");
+    tt_free(&k);
+
+    make_grouped(&k, KW_F32, KW_F32, 4, 3, 16, 8, KW_I64, 0, &r);
+    tt_tensor(&k, 3, KW_F32, 1, TT_DIMS(3), NULL, 0, 4, &r);
+    tt_expect_reject(KW_OP_GROUPED_LINEAR, &k.c, KW_ESHAPE, "grouped_linear: offs must be int32 or int64 [E]");
+    tt_free(&k);
+
+    make_grouped(&k, KW_F32, KW_F32, 4, 3, 16, 8, KW_I32, 0, &r);
+    tt_tensor(&k, 0, KW_F32, 2, TT_DIMS(4, 9), NULL, 0, 0, &r);
+    tt_expect_reject(KW_OP_GROUPED_LINEAR, &k.c, KW_ESHAPE, "grouped_linear: y must be [S, N] with N == 8");
+    tt_free(&k);
+}

@@ -162,6 +162,31 @@ def test_a_change_a_dropped_guard_would_have_caught_gives_eagers_tokens(change):
     assert set(g.kind for g in summary.graphs()) == {"decode-replay"}, kwker.report()
 
 
+def _edit_experts_in_place(model):
+    weight = model.model.layers[0].mlp.experts.gate_up_proj
+    weight.data.copy_(torch.randn_like(weight).bfloat16().float() * 4)
+
+
+def _replace_experts(model):
+    experts = model.model.layers[1].mlp.experts
+    experts.down_proj = torch.nn.Parameter(torch.randn_like(experts.down_proj).bfloat16().float() * 4)
+
+
+@pytest.mark.parametrize("change", [_edit_experts_in_place, _replace_experts])
+def test_a_change_to_a_mixture_of_experts_weights_gives_eagers_tokens(change):
+    """The experts' weights are read as bf16 copies (grouped_linear), kept fresh as a linear's are."""
+    model = small_model("mixtral")
+    config = kwker.compile_config()
+    before = greedy(model)
+    assert greedy(model, config) == before
+    assert summary.graphs()[0].copies > 0 and summary.graphs()[0].rewrites["grouped_linear"] == 4, kwker.report()
+    change(model)
+    want = greedy(model)
+    assert want != before  # a stale copy would show
+    assert greedy(model, config) == want
+    assert set(g.kind for g in summary.graphs()) == {"decode-replay"}, kwker.report()
+
+
 def test_a_parameter_bound_as_it_is_that_changes_dtype_raises_a_plan_error_naming_it():
     model = small_model("llama")
     config = kwker.compile_config()

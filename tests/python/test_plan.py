@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from kwker import _C
+from kwker.custom_ops import ops
 
 F32 = torch.float32
 P = _C.op_params()
@@ -466,3 +467,38 @@ def test_fallback_views_of_per_call_tensors_share_their_storage():
     torch.testing.assert_close(o[:, 0], xv[1:].sum(1))
     torch.testing.assert_close(o[:, 1], torch.zeros(2))
     assert seen == [base.untyped_storage().data_ptr()]
+
+
+def grouped_linear_plan(weight, rows, offs_dtype, n_threads):
+    """y [rows, N] = each expert's rows of x times its weight [N, K], transposed."""
+    e, n, k = weight.shape
+    b = _C.PlanBuilder()
+    x = _contig(b, b.input("x", weight.dtype, (rows, k)), (rows, k), weight.dtype)
+    offs = _contig(b, b.input("offs", offs_dtype, (e,), arg=1), (e,), offs_dtype)
+    w = _contig(b, b.constant(weight, "w"), (e, n, k), weight.dtype)
+    v_out = _contig(b, b.output_buffer("y", weight.dtype, (rows, n)), (rows, n), weight.dtype)
+    b.op("grouped_linear", [v_out, x, w, offs], label="experts")
+    b.output(v_out)
+    return b.finish(n_threads)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n_threads", [1, 2])
+def test_grouped_linear_gives_each_expert_its_rows_and_refuses_bad_offsets(dtype, n_threads):
+    g = torch.Generator().manual_seed(3)
+    weight = torch.randn(5, 40, 24, generator=g).to(dtype)
+    plan = grouped_linear_plan(weight, 6, torch.int32, n_threads)
+    for offs in ([0, 2, 2, 5, 6], [6, 6, 6, 6, 6], [1, 1, 3, 4, 4]):  # empty experts; rows past the last are zero
+        x = torch.randn(6, 24, generator=g).to(dtype)
+        want = torch.zeros(6, 40, dtype=dtype)
+        for e, (lo, hi) in enumerate(zip([0, *offs], offs)):
+            want[lo:hi] = F.linear(x[lo:hi].float(), weight[e].float()).to(dtype)
+        (y,) = plan(x, torch.tensor(offs, dtype=torch.int32))
+        tol = dict(rtol=1e-5, atol=1e-5) if dtype == F32 else dict(rtol=2**-7, atol=1e-2)
+        torch.testing.assert_close(y, want, **tol)
+        torch.testing.assert_close(y, ops.grouped_linear(x, weight, torch.tensor(offs)), **tol)
+    for offs, bad in (([0, 3, 2, 5, 6], 2), ([0, 2, 2, 5, 7], 7)):
+        with pytest.raises(IndexError, match=f"offsets must rise to at most the 6 rows of x, got {bad} "):
+            plan(x, torch.tensor(offs, dtype=torch.int32))
+    (y,) = plan(x, torch.tensor([0, 2, 2, 5, 6], dtype=torch.int32))  # usable after the error
+    assert y.shape == (6, 40)

@@ -402,6 +402,11 @@ static PyObject *index_error(kw_plan *plan) {
                             "index_copy_(): index %lld is out of bounds for dimension 2 with size %lld (kwker step "
                             "'%s': the cache position is outside the static cache; the call ran to its end)",
                             (long long)index, (long long)size, label);
+    if (op && !strcmp(op, "grouped_linear"))
+        return PyErr_Format(PyExc_IndexError,
+                            "grouped_linear: the experts' offsets must rise to at most the %lld rows of x, got %lld "
+                            "after a larger one or past them (kwker step '%s'; nothing was computed)",
+                            (long long)size - 1, (long long)index, label);
     return PyErr_Format(PyExc_IndexError, "index out of range in self: index %lld for size %lld (kwker step %s '%s')",
                         (long long)index, (long long)size, op ? op : "?", label ? label : "");
 }

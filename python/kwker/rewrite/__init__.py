@@ -10,6 +10,7 @@ import logging
 import torch
 
 from kwker.rewrite.attention import fuse_attention
+from kwker.rewrite.experts import rewrite_experts
 from kwker.rewrite.linear import reserved_copy_bytes, rewrite_linears
 from kwker.rewrite.rms_norm import fuse_residual_add, fuse_rms_norm
 from kwker.rewrite.rotary import fuse_rotary
@@ -28,7 +29,8 @@ def rewrite_language_model(gm: torch.fx.GraphModule, params: dict[str, torch.Ten
     params (placeholder name -> the real parameter) is given for a graph a plan
     will replay, whose linears then read kwker's weight copies where those read
     fewer bytes (kwker.weights), cut from arena; the plan keeps them fresh.
-    Other graphs keep their linears: nothing would keep a copy fresh there.
+    Other graphs keep their linears (and experts' grouped matmuls): nothing
+    would keep a copy fresh there.
     Returns how many places each pass changed, and the copies made."""
     counts = {"attention": fuse_attention(gm)}
     if glue:
@@ -40,6 +42,8 @@ def rewrite_language_model(gm: torch.fx.GraphModule, params: dict[str, torch.Ten
     copies: list[CopiedWeight] = []
     if params is not None:
         counts["linear"], copies = rewrite_linears(gm, params, arena=arena)
+        counts["grouped_linear"], expert_copies = rewrite_experts(gm, params, arena=arena)
+        copies += expert_copies
     gm.graph.eliminate_dead_code()
     gm.graph.lint()
     gm.recompile()

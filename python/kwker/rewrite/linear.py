@@ -108,11 +108,11 @@ def _rewrite_group(gm, group: list[_Linear], params, storage: weights.Storage, a
     graph = gm.graph
     first = group[0].node
     with graph.inserting_before(first):
-        w_node = _copy_node(gm, [m.weight for m in group], params, storage, arena, copies)
+        w_node = copy_node(gm, [m.weight for m in group], params, storage, arena, copies)
         bias = group[0].bias
         if bias is not None and len(group) > 1:
             biases = [m.bias for m in group]
-            bias = _copy_node(gm, biases, params, weights.bias_storage([params[b.name] for b in biases]), arena, copies)
+            bias = copy_node(gm, biases, params, weights.bias_storage([params[b.name] for b in biases]), arena, copies)
         if len(group) == 1:
             new = graph.call_function(ops.linear.default, (group[0].x, w_node, bias))
             new.meta["val"] = val(first)
@@ -128,9 +128,10 @@ def _rewrite_group(gm, group: list[_Linear], params, storage: weights.Storage, a
                 m.node.replace_all_uses_with(item)
 
 
-def _copy_node(gm, sources: list[torch.fx.Node], params, storage: weights.Storage, arena, copies) -> torch.fx.Node:
-    """A get_attr of the sources' copy. Its fake value is the copy as the op
-    reads it, [N, K]; a K-blocked copy's real layout is in its CopiedWeight."""
+def copy_node(gm, sources: list[torch.fx.Node], params, storage: weights.Storage, arena, copies) -> torch.fx.Node:
+    """A get_attr of the sources' copy (also kwker.rewrite.experts'). Its fake
+    value is the copy as the op reads it, the sources stacked along their first
+    dim ([N, K] for linears); a K-blocked copy's real layout is in its CopiedWeight."""
     attr = f"kwker_copy_of_{sources[0].name}"  # the same in every plan of the graph (a kept copy keeps its name)
     copy = weights.make_copy(attr, [s.name for s in sources], [params[s.name] for s in sources], storage, arena)
     copies.append(copy)

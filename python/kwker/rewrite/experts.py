@@ -1,0 +1,56 @@
+"""A mixture of experts' projections in a graph a plan will replay: each of
+transformers' grouped matmuls over the experts' weights becomes one
+kwker.grouped_linear, which reads only the experts a call routes to.
+
+transformers (integrations/moe.py, the default experts implementation) sorts
+the token-expert pairs by expert, counts them per expert (histc, cumsum) and
+calls `_grouped_mm(x, weight.transpose(-2, -1), offs)`: aten._grouped_mm where
+PyTorch has it for the dtype (bf16 here), else its own
+transformers::grouped_mm_fallback, a loop of torch.mm per expert. The weight is
+a parameter [E, N, K], each expert's in a linear's layout; kwker.weights
+decides whether the op reads it as stored or as a bf16 copy.
+"""
+
+import torch
+
+from kwker import weights
+from kwker.custom_ops import ops
+from kwker.rewrite.linear import copy_node
+from kwker.rewrite.match import aten, is_call, val
+
+
+def _grouped_mm_targets() -> tuple:
+    targets = [aten._grouped_mm.default]
+    fallback = getattr(getattr(torch.ops, "transformers", None), "grouped_mm_fallback", None)
+    if fallback is not None:  # registered when transformers' MoE integration is imported
+        targets.append(fallback.default)
+    return tuple(targets)
+
+
+def rewrite_experts(gm: torch.fx.GraphModule, params: dict[str, torch.Tensor],
+                    arena: weights.WeightArena | None = None) -> tuple[int, list[weights.CopiedWeight]]:
+    """params: placeholder name -> the real parameter tensor. Returns how many
+    grouped matmuls were rewritten and the copies made."""
+    targets = _grouped_mm_targets()
+    copies: list[weights.CopiedWeight] = []
+    copied: dict[str, torch.fx.Node] = {}  # a weight read by several calls is copied once
+    count = 0
+    for node in list(gm.graph.nodes):
+        if not is_call(node, *targets) or node.kwargs or len(node.args) != 3:
+            continue
+        x, wt, offs = node.args
+        if not (is_call(wt, aten.transpose.int) and sorted(a % 3 for a in wt.args[1:]) == [1, 2]):
+            continue
+        w = wt.args[0]
+        if not (w.op == "placeholder" and w.name in params and val(w).dim() == 3 and val(x).dim() == 2
+                and val(x).dtype == val(w).dtype):
+            continue
+        with gm.graph.inserting_before(node):
+            storage = weights.decide_experts(params[w.name])
+            if storage is not None and w.name not in copied:
+                copied[w.name] = copy_node(gm, [w], params, storage, arena, copies)
+            new = gm.graph.call_function(ops.grouped_linear.default, (x, copied.get(w.name, w), offs))
+        new.meta["val"] = val(node)
+        node.replace_all_uses_with(new)
+        count += 1
+    return count, copies
