@@ -5,7 +5,8 @@
  *
  * embedding: y[i, :] = table[ids[i], :]. An id outside [0, V) is reported (the
  *   replay then fails with KW_EINDEX, as PyTorch raises an IndexError) and its
- *   row filled with NaN.
+ *   row filled with NaN. With ip[0] = KW_GATHER_WRAP an id in [-V, 0) counts
+ *   from the end, as tensor indexing (table[ids]) reads it.
  * kv_write: cache[b, h, pos[t], :] = src[b, h, t, :] — Tensor.index_copy_(2, pos,
  *   src) on a static KV cache, in place. A position outside [0, S) is reported
  *   and skipped. */
@@ -27,12 +28,14 @@ static int index_ok(const kw_tensor *t) {
     return kw__present(t) && (t->dtype == KW_I64 || t->dtype == KW_I32) && kw__is_contiguous(t);
 }
 
-/* ---- embedding: slots y [..., D], ids [...] (int64 or int32), table [V, D] ---- */
+/* ---- embedding: slots y [..., D], ids [...] (int64 or int32), table [V, D]; ip[0]: 0 or KW_GATHER_WRAP ---- */
 
 /* The kernels read sizes and strides from the call itself: nothing to prepare. */
 static int embedding_prepare(const kw_call *c, kw_isa isa, void *prep, char *msg, size_t len) {
     const kw_tensor *y = &c->t[0], *ids = &c->t[1], *tab = &c->t[2];
     int64_t rows, rs;
+    if (c->ip[0] != 0 && c->ip[0] != KW_GATHER_WRAP)
+        return kw__fail(msg, len, KW_EINVAL, "embedding: ip[0] must be 0 or KW_GATHER_WRAP (got %lld)", (long long)c->ip[0]);
     if (!index_ok(ids))
         return kw__fail(msg, len, KW_EDTYPE, "embedding: ids must be contiguous int64 or int32 (got %s)", kw__shape(ids).s);
     if (!kw__present(tab) || !kw__is_float(tab->dtype) || tab->ndim != 2 || (tab->shape[1] > 1 && tab->stride[1] != 1))
@@ -52,11 +55,11 @@ static void embedding_kernel(const kw_call *c, int ith, int nth) {
     kw__rows_of(y, &rows, &rs);
     kw__split(rows, 1, ith, nth, &r0, &r1);
     for (int64_t r = r0; r < r1; r++) {
-        const int64_t id = ld_index(ids, r);
+        const int64_t given = ld_index(ids, r), id = given < 0 && c->ip[0] == KW_GATHER_WRAP ? given + V : given;
         char *dst = kw__ptr(y, r * rs);
         if (id < 0 || id >= V) {
             for (int64_t i = 0; i < D; i++) kw__stf(dst, i, y->dtype, NAN);
-            kw__report_index(c, id, V);
+            kw__report_index(c, given, V);
         } else
             copy_row(dst, y->dtype, kw__ptr(tab, id * tab->stride[0]), tab->dtype, D);
     }
@@ -66,6 +69,7 @@ const kw_op_info kw_op_info_embedding = {
     .name = "embedding",
     .n_tensors = 3,
     .arg = {{"y", KW_WRITE, 0}, {"ids", KW_READ, 0}, {"table", KW_READ, 0}},
+    .n_ip = 1,
     .prepare = embedding_prepare,
     .kernel = embedding_kernel,
 };

@@ -49,6 +49,9 @@ enum {
     KW_ROPE_INTERLEAVED = 1, /* rotary ip[0]: pairs (2i, 2i + 1) */
 };
 enum {
+    KW_GATHER_WRAP = 1, /* embedding ip[0]: an id in [-V, 0) counts from the end (tensor indexing) */
+};
+enum {
     KW_GELU_ERF = 0, /* gelu ip[0]: approximate="none" */
     KW_GELU_TANH = 1 /* gelu ip[0]: approximate="tanh" */
 };

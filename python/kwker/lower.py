@@ -358,7 +358,26 @@ def _lower_softmax(lw: _Lowering, node: Node):
 
 def _lower_embedding(lw: _Lowering, node: Node):
     table, ids = node.args[:2]
-    lw.op(node, "embedding", [lw.view(val(node)), lw.view(val(ids)), lw.view(val(table))])
+    lw.op(node, "embedding", [lw.view(val(node)), lw.view(val(ids)), lw.view(val(table))], [0])
+
+
+def _lower_index(lw: _Lowering, node: Node):
+    """table[ids]: rows of a 1-D or 2-D tensor (a 1-D one as rows of one) picked
+    by one integer index tensor, negative ids from the end. A mixture of
+    experts' routing gathers its rows and weights so."""
+    table, indices = node.args
+    if len(indices) != 1 or not isinstance(indices[0], Node) or val(table).dim() not in (1, 2):
+        return False
+    y, rows = val(node), val(table)
+    if rows.dim() == 1:
+        y, rows = y.unsqueeze(-1), rows.unsqueeze(-1)
+    lw.op(node, "embedding", [lw.view(y), lw.view(val(indices[0])), lw.view(rows)], [P["GATHER_WRAP"]])
+
+
+def _lower_empty(lw: _Lowering, node: Node):
+    """Memory whose contents are undefined: a step that does nothing but count
+    it as written (capture refuses a read of memory no step has written)."""
+    lw.op(node, "nop", [lw.view(val(node))])
 
 
 def _binary(name):
@@ -447,6 +466,9 @@ LOWERINGS = {
     ops.gelu_mul.default: _lower_gelu_mul,
     ops.attention.default: _lower_attention,
     aten.embedding.default: _lower_embedding,
+    aten.index.Tensor: _lower_index,
+    aten.empty_like.default: _lower_empty,
+    aten.empty.memory_format: _lower_empty,
     aten.native_layer_norm.default: _lower_layer_norm,
     aten._softmax.default: _lower_softmax,
     aten.add.Tensor: _binary("BINARY_ADD"),

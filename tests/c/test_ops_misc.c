@@ -84,6 +84,30 @@ Test(embedding, gathers_rows_and_reports_bad_ids) {
     }
 }
 
+/* Tensor indexing's reading (KW_GATHER_WRAP): ids in [-V, 0) count from the end;
+ * below -V they are still out of range. */
+Test(embedding, wraps_negative_ids_when_asked) {
+    tt_rng r = {46};
+    const int64_t V = 7, D = 5;
+    const int64_t ids_v[] = {-1, -7, 0, 6, -8};
+    tt_case k = {0};
+    kw_tensor *ids = tt_tensor(&k, 1, KW_I64, 1, TT_DIMS(5), NULL, 0, 0, &r);
+    kw_tensor *tab = tt_tensor(&k, 2, KW_F32, 2, TT_DIMS(V, D), NULL, -2, 2, &r);
+    kw_tensor *y = tt_tensor(&k, 0, KW_F32, 2, TT_DIMS(5, D), NULL, 0, 0, &r);
+    for (int64_t i = 0; i < 5; i++) tt_set(ids, (int64_t[]){i}, (double)ids_v[i]);
+    k.c.ip[0] = KW_GATHER_WRAP;
+    kw_fault fault = {0};
+    k.c.fault = &fault;
+    tt_run(KW_OP_EMBEDDING, kw_cpu_isa(), &k.c, 2);
+    cr_expect(atomic_load(&fault.reported) && fault.index == -8 && fault.size == V);
+    for (int64_t i = 0; i < 4; i++)
+        for (int64_t d = 0; d < D; d++)
+            cr_expect_eq(tt_get(y, (int64_t[]){i, d}), tt_get(tab, (int64_t[]){(ids_v[i] + V) % V, d}), "row %lld", (long long)i);
+    k.c.ip[0] = 2;
+    tt_expect_reject(KW_OP_EMBEDDING, &k.c, KW_EINVAL, "embedding: ip[0] must be 0 or KW_GATHER_WRAP");
+    tt_free(&k);
+}
+
 /* ---- kv_write: slots cache 0, src 1, pos 2 ---- */
 
 Test(kv_write, writes_rows_at_positions_in_place) {

@@ -313,6 +313,26 @@ def test_an_intermediate_written_in_place_is_made_again_by_every_replay_and_a_co
         lower_to_plan(trace_to_aten(_ScratchWrite(False), [x, pos]), [x, pos], [])
 
 
+class _Gather(torch.nn.Module):
+    def forward(self, x, ids):
+        return x[ids] * x[:, 0][ids].unsqueeze(-1)
+
+
+def test_rows_picked_by_an_index_tensor_are_a_native_step_that_counts_negative_ids_from_the_end():
+    from kwker.aten_graph import trace_to_aten
+    from kwker.lower import lower_to_plan
+
+    x, ids = torch.randn(6, 5), torch.tensor([0, 5, 2])
+    plan, report = lower_to_plan(trace_to_aten(_Gather(), [x, ids]), [x, ids], [])
+    assert report.fallback_ops == [] and report.native_steps == 3
+    for picked in ([0, 5, 2], [-1, -6, 3]):
+        (out,) = plan(x, torch.tensor(picked))
+        assert torch.equal(out, _Gather()(x, torch.tensor(picked)))
+    for bad in (6, -7):
+        with pytest.raises(IndexError, match=f"index {bad} for size 6"):
+            plan(x, torch.tensor([1, bad, 0]))
+
+
 def test_a_step_that_writes_a_parameter_through_a_view_is_not_a_decode_step():
     from kwker.aten_graph import trace_to_aten
     from kwker.decode import classify_decode_step

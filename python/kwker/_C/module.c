@@ -36,6 +36,7 @@ static PyObject *op_params(PyObject *self, PyObject *unused) {
         {"NORM_GEMMA", KW_NORM_GEMMA},
         {"ROPE_HALF", KW_ROPE_HALF},
         {"ROPE_INTERLEAVED", KW_ROPE_INTERLEAVED},
+        {"GATHER_WRAP", KW_GATHER_WRAP},
         {"GELU_ERF", KW_GELU_ERF},
         {"GELU_TANH", KW_GELU_TANH},
         {"DNNL_MIN_M_F32", KW_DNNL_MIN_M_F32},
