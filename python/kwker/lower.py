@@ -161,10 +161,11 @@ class _Lowering:
         if _is_view_op(node) or (len(vals) == 1 and storage_key(vals[0]) in self.buffers and not _is_inplace_op(node)):
             return  # an alias (a view, or _unsafe_view): another view of its input's buffer
         if _is_inplace_op(node):
-            lowering, why = INPLACE_LOWERINGS.get(node.target), "no native op"
+            lowering = INPLACE_LOWERINGS.get(node.target)
+            why = "no native op" if lowering is None else "a case the native op does not cover"
             try:
-                if lowering is not None:
-                    return lowering(self, node)
+                if lowering is not None and lowering(self, node) is not False:
+                    return
             except _Rejected as e:
                 why = str(e)
             return self.fallback(node, why)  # writes into the input's own memory, as the op does
@@ -381,11 +382,14 @@ def _lower_empty(lw: _Lowering, node: Node):
 
 
 def _binary(name):
+    """a (op) b, b a tensor or a Python number; the in-place form (add_, div_, ...)
+    writes a's own memory."""
+
     def lower(lw: _Lowering, node: Node):
         a, b = node.args[:2]
         if node.kwargs.get("alpha", 1) != 1 or not isinstance(a, Node):
             return False
-        y = lw.view(val(node))
+        y = lw.view(val(a) if _is_inplace_op(node) else val(node))
         if isinstance(b, Node):
             lw.op(node, "binary", [y, lw.view(val(a)), lw.view(val(b))], [P[name]], [0.0])
         elif isinstance(b, (int, float)) and not isinstance(b, bool):
@@ -394,6 +398,20 @@ def _binary(name):
             return False
 
     return lower
+
+
+def _lower_sum_of_two(lw: _Lowering, node: Node):
+    """sum over one dim of size 2 (a top-2 router's weights, a mixture of two
+    experts' outputs): one add of its two halves, which is exactly the sum
+    PyTorch forms (one addition, rounded once)."""
+    x, dims = node.args[:2]
+    keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+    if node.kwargs.get("dtype") is not None or len(dims) != 1 or val(x).shape[dims[0]] != 2:
+        return False
+    dim = dims[0] % val(x).dim()
+    y = val(node) if keepdim else val(node).unsqueeze(dim)
+    halves = [lw.view(val(x).narrow(dim, i, 1)) for i in (0, 1)]
+    lw.op(node, "binary", [lw.view(y), *halves], [P["BINARY_ADD"]], [0.0])
 
 
 def _lower_neg(lw: _Lowering, node: Node):
@@ -444,17 +462,6 @@ def _lower_kv_write(lw: _Lowering, node: Node):
     lw.op(node, "kv_write", [lw.view(val(cache)), lw.view(val(src)), lw.view(val(pos))])
 
 
-def _lower_add_inplace(lw: _Lowering, node: Node):
-    a, b = node.args[:2]
-    if node.kwargs.get("alpha", 1) != 1:
-        raise NotLowerable(f"{node.name}: add_ with alpha")
-    y = lw.view(val(a))
-    if isinstance(b, Node):
-        lw.op(node, "binary", [y, y, lw.view(val(b))], [P["BINARY_ADD"]], [0.0])
-    else:
-        lw.op(node, "binary", [y, y, None], [P["BINARY_ADD"]], [float(b)])
-
-
 LOWERINGS = {
     ops.linear.default: _lower_linear,
     ops.linear_multi.default: _lower_linear_multi,
@@ -475,6 +482,7 @@ LOWERINGS = {
     aten.sub.Tensor: _binary("BINARY_SUB"),
     aten.mul.Tensor: _binary("BINARY_MUL"),
     aten.div.Tensor: _binary("BINARY_DIV"),
+    aten.sum.dim_IntList: _lower_sum_of_two,
     aten.neg.default: _lower_neg,
     aten.gelu.default: _lower_gelu,
     aten.cos.default: _unary("UNARY_COS"),
@@ -492,7 +500,10 @@ LOWERINGS = {
 
 INPLACE_LOWERINGS = {
     aten.index_copy_.default: _lower_kv_write,
-    aten.add_.Tensor: _lower_add_inplace,
+    aten.add_.Tensor: _binary("BINARY_ADD"),
+    aten.sub_.Tensor: _binary("BINARY_SUB"),
+    aten.mul_.Tensor: _binary("BINARY_MUL"),
+    aten.div_.Tensor: _binary("BINARY_DIV"),
 }
 
 

@@ -333,6 +333,30 @@ def test_rows_picked_by_an_index_tensor_are_a_native_step_that_counts_negative_i
             plan(x, torch.tensor([1, bad, 0]))
 
 
+class _TopTwo(torch.nn.Module):
+    """A top-2 router's weights, normalised in place, and two experts' outputs summed."""
+
+    def forward(self, scores, outputs):
+        weights = scores.topk(2).values
+        weights /= weights.sum(-1, keepdim=True)
+        return weights, (outputs.view(-1, 2, outputs.shape[-1]) * weights.reshape(-1, 2, 1)).sum(1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sums_over_two_and_in_place_divisions_are_native_steps_equal_to_eagers(dtype):
+    from kwker.aten_graph import trace_to_aten
+    from kwker.lower import lower_to_plan
+
+    g = torch.Generator().manual_seed(0)
+    scores, outputs = torch.randn(3, 8, generator=g).to(dtype), torch.randn(6, 40, generator=g).to(dtype)
+    plan, report = lower_to_plan(trace_to_aten(_TopTwo(), [scores, outputs]), [scores, outputs], [])
+    assert report.fallback_ops == ["aten.topk.default"]
+    for _ in range(2):
+        got, want = plan(scores, outputs), _TopTwo()(scores, outputs)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+        scores, outputs = torch.randn(3, 8, generator=g).to(dtype), torch.randn(6, 40, generator=g).to(dtype)
+
+
 def test_a_step_that_writes_a_parameter_through_a_view_is_not_a_decode_step():
     from kwker.aten_graph import trace_to_aten
     from kwker.decode import classify_decode_step
