@@ -14,7 +14,7 @@ from test_decode_tokens import DTYPES, generate, peaked_model
 
 pytestmark = pytest.mark.usefixtures("fresh_compile_state")
 
-ARCHS = ["llama", "qwen3", "gemma3"]
+ARCHS = ["llama", "qwen3", "gemma3", "mixtral"]
 
 
 def steps_that_left_the_plan():
