@@ -9,7 +9,9 @@
  *   from the end, as tensor indexing (table[ids]) reads it.
  * kv_write: cache[b, h, pos[t], :] = src[b, h, t, :] — Tensor.index_copy_(2, pos,
  *   src) on a static KV cache, in place. A position outside [0, S) is reported
- *   and skipped. */
+ *   and skipped.
+ * index_put: y[ids[i], :] = src[i, :] — Tensor.index_put_((ids,), src) with one
+ *   index tensor, in place (a mixture of experts' inverse permutation). */
 #include "kw_ops_impl.h"
 
 static void copy_row(char *dst, kw_dtype dt, const char *src, kw_dtype st, int64_t n) {
@@ -114,4 +116,49 @@ const kw_op_info kw_op_info_kv_write = {
     .arg = {{"cache", KW_MODIFY, 0}, {"src", KW_READ, 0}, {"pos", KW_READ, 0}},
     .prepare = kv_write_prepare,
     .kernel = kv_write_kernel,
+};
+
+/* ---- index_put: slots y [V, D] (modified), ids [N] (int64 or int32), src [N, D] ----
+ * src has y's dtype, any dtype; ids in [-V, 0) count from the end; an id outside
+ * [-V, V) is reported and its row skipped. Where ids repeat the last i wins, as
+ * PyTorch's serial loop leaves it: threads split D, each going through i in order. */
+
+static int index_put_prepare(const kw_call *c, kw_isa isa, void *prep, char *msg, size_t len) {
+    const kw_tensor *y = &c->t[0], *ids = &c->t[1], *src = &c->t[2];
+    if (!kw__present(y) || y->ndim != 2 || (y->shape[1] > 1 && y->stride[1] != 1))
+        return kw__fail(msg, len, KW_ESHAPE, "index_put: y must be [V, D] with contiguous D (got %s)", kw__shape(y).s);
+    if (!index_ok(ids) || ids->ndim != 1)
+        return kw__fail(msg, len, KW_EDTYPE, "index_put: ids must be contiguous int64 or int32 [N] (got %s)",
+                        kw__shape(ids).s);
+    if (!kw__present(src) || src->dtype != y->dtype || src->ndim != 2 || src->shape[0] != ids->shape[0] ||
+        src->shape[1] != y->shape[1] || (src->shape[1] > 1 && src->stride[1] != 1))
+        return kw__fail(msg, len, KW_ESHAPE,
+                        "index_put: src must be [N, D] with N == %lld, D == %lld, y's dtype %s and contiguous D (got %s)",
+                        (long long)ids->shape[0], (long long)y->shape[1], kw_dtype_name(y->dtype), kw__shape(src).s);
+    return 0;
+}
+
+static void index_put_kernel(const kw_call *c, int ith, int nth) {
+    const kw_tensor *y = &c->t[0], *ids = &c->t[1], *src = &c->t[2];
+    const int64_t V = y->shape[0], D = y->shape[1], N = src->shape[0];
+    const size_t esize = kw_dtype_size(y->dtype);
+    int64_t d0, d1;
+    kw__split(D, 16, ith, nth, &d0, &d1);
+    if (d0 >= d1) return;
+    for (int64_t i = 0; i < N; i++) {
+        const int64_t given = ld_index(ids, i), id = given < 0 ? given + V : given;
+        if (id < 0 || id >= V) {
+            kw__report_index(c, given, V);
+            continue;
+        }
+        memcpy(kw__ptr(y, id * y->stride[0] + d0), kw__ptr(src, i * src->stride[0] + d0), (size_t)(d1 - d0) * esize);
+    }
+}
+
+const kw_op_info kw_op_info_index_put = {
+    .name = "index_put",
+    .n_tensors = 3,
+    .arg = {{"y", KW_MODIFY, 0}, {"ids", KW_READ, 0}, {"src", KW_READ, 0}},
+    .prepare = index_put_prepare,
+    .kernel = index_put_kernel,
 };

@@ -375,6 +375,26 @@ def _lower_index(lw: _Lowering, node: Node):
     lw.op(node, "embedding", [lw.view(y), lw.view(val(indices[0])), lw.view(rows)], [P["GATHER_WRAP"]])
 
 
+def _lower_index_put(lw: _Lowering, node: Node):
+    """y[ids] = src in place (index_put_ with one index tensor, not accumulating):
+    rows of a 1-D or 2-D y, negative ids from the end. A mixture of experts'
+    routing writes its inverse permutation so."""
+    y, indices, src = node.args[:3]
+    accumulate = node.args[3] if len(node.args) > 3 else node.kwargs.get("accumulate", False)
+    if accumulate or len(indices) != 1 or not isinstance(indices[0], Node) or not isinstance(src, Node):
+        return False
+    rows, ids, values = val(y), val(indices[0]), val(src)
+    if rows.dim() not in (1, 2) or ids.dim() != 1 or values.dim() > rows.dim():
+        return False
+    try:  # values broadcast to the rows written, as PyTorch's do
+        values = values.expand(ids.shape[0], *rows.shape[1:])
+    except RuntimeError:
+        return False
+    if rows.dim() == 1:
+        rows, values = rows.unsqueeze(-1), values.unsqueeze(-1)
+    lw.op(node, "index_put", [lw.view(rows), lw.view(ids), lw.view(values)])
+
+
 def _lower_empty(lw: _Lowering, node: Node):
     """Memory whose contents are undefined: a step that does nothing but count
     it as written (capture refuses a read of memory no step has written)."""
@@ -500,6 +520,7 @@ LOWERINGS = {
 
 INPLACE_LOWERINGS = {
     aten.index_copy_.default: _lower_kv_write,
+    aten.index_put_.default: _lower_index_put,
     aten.add_.Tensor: _binary("BINARY_ADD"),
     aten.sub_.Tensor: _binary("BINARY_SUB"),
     aten.mul_.Tensor: _binary("BINARY_MUL"),

@@ -108,6 +108,53 @@ Test(embedding, wraps_negative_ids_when_asked) {
     tt_free(&k);
 }
 
+/* ---- index_put: slots y 0 (modified), ids 1, src 2 ---- */
+
+/* Repeated and negative ids against a serial loop; every thread count must leave
+ * the last i's row where ids repeat. */
+Test(index_put, writes_rows_in_place_the_last_repeat_winning) {
+    tt_rng r = {47};
+    static const kw_dtype dts[] = {KW_F32, KW_BF16, KW_I64, KW_I32};
+    for (int trial = 0; trial < 16; trial++) {
+        const kw_dtype dt = dts[trial % 4];
+        const int64_t V = tt_int(&r, 1, 9), D = trial % 3 ? tt_int(&r, 1, 40) : 1, N = tt_int(&r, 1, 12);
+        tt_case k = {0};
+        kw_tensor *y = tt_padded(&k, 0, dt, 2, TT_DIMS(V, D), tt_int(&r, 0, 1) * 3, -50, 50, &r);
+        kw_tensor *ids = tt_tensor(&k, 1, trial % 2 ? KW_I32 : KW_I64, 1, TT_DIMS(N), NULL, -V, V - 1, &r);
+        kw_tensor *src = tt_padded(&k, 2, dt, 2, TT_DIMS(N, D), tt_int(&r, 0, 1) * 2, -50, 50, &r);
+        double want[9][40];
+        for (int64_t v = 0; v < V; v++)
+            for (int64_t d = 0; d < D; d++) want[v][d] = tt_get(y, (int64_t[]){v, d});
+        for (int64_t i = 0; i < N; i++) {
+            const int64_t id = (int64_t)tt_get(ids, (int64_t[]){i});
+            for (int64_t d = 0; d < D; d++) want[id < 0 ? id + V : id][d] = tt_get(src, (int64_t[]){i, d});
+        }
+        tt_check_variants(KW_OP_INDEX_PUT, &k, exact, "index_put");
+        tt_run(KW_OP_INDEX_PUT, kw_cpu_isa(), &k.c, 2);
+        for (int64_t v = 0; v < V; v++)
+            for (int64_t d = 0; d < D; d++)
+                cr_expect_eq(tt_get(y, (int64_t[]){v, d}), want[v][d], "trial %d: y[%lld, %lld]", trial, (long long)v,
+                             (long long)d);
+        tt_free(&k);
+    }
+}
+
+Test(index_put, reports_an_id_out_of_range_and_names_bad_slots) {
+    tt_rng r = {48};
+    tt_case k = {0};
+    kw_tensor *ids = tt_tensor(&k, 1, KW_I64, 1, TT_DIMS(3), NULL, 0, 3, &r);
+    tt_tensor(&k, 0, KW_F32, 2, TT_DIMS(4, 5), NULL, -1, 1, &r);
+    tt_tensor(&k, 2, KW_F32, 2, TT_DIMS(3, 5), NULL, -1, 1, &r);
+    tt_set(ids, (int64_t[]){1}, -5);
+    kw_fault fault = {0};
+    k.c.fault = &fault;
+    tt_run(KW_OP_INDEX_PUT, kw_cpu_isa(), &k.c, 2);
+    cr_expect(atomic_load(&fault.reported) && fault.index == -5 && fault.size == 4);
+    tt_tensor(&k, 2, KW_BF16, 2, TT_DIMS(3, 5), NULL, -1, 1, &r);
+    tt_expect_reject(KW_OP_INDEX_PUT, &k.c, KW_ESHAPE, "index_put: src must be [N, D] with N == 3, D == 5, y's dtype float32");
+    tt_free(&k);
+}
+
 /* ---- kv_write: slots cache 0, src 1, pos 2 ---- */
 
 Test(kv_write, writes_rows_at_positions_in_place) {

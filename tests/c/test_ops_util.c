@@ -58,6 +58,7 @@ kw_tensor *tt_tensor(tt_case *k, int slot, kw_dtype dt, int ndim, const int64_t 
     if (extent)
         for (int d = 0; d < ndim; d++) extent += (shape[d] - 1) * t->stride[d];
     k->bytes[slot] = (size_t)(extent ? extent : 1) * kw_dtype_size(dt);
+    free(k->mem[slot]); /* a slot given again (a test of the next rejection) */
     k->mem[slot] = malloc(k->bytes[slot]);
     cr_assert_not_null(k->mem[slot]);
     t->data = k->mem[slot];

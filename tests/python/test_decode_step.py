@@ -333,6 +333,33 @@ def test_rows_picked_by_an_index_tensor_are_a_native_step_that_counts_negative_i
             plan(x, torch.tensor([1, bad, 0]))
 
 
+class _Unpermute(torch.nn.Module):
+    """Rows put back in order through the inverse permutation, written in place
+    into memory empty_like made (a mixture of experts' routing does so)."""
+
+    def forward(self, x, perm):
+        inverse = torch.empty_like(perm)
+        inverse[perm] = torch.arange(perm.shape[0])
+        x[perm[-1:]] = x[perm[:1]]  # rows of a 2-D tensor, and a negative id, below
+        return x[inverse]
+
+
+def test_rows_written_by_an_index_tensor_are_a_native_step_in_place():
+    from kwker.aten_graph import trace_to_aten
+    from kwker.lower import lower_to_plan
+
+    x, perm = torch.randn(5, 3), torch.tensor([3, 0, 4, 1, 2])
+    plan, report = lower_to_plan(trace_to_aten(_Unpermute(), [x.clone(), perm]), [x.clone(), perm], [])
+    assert report.fallback_ops == [], report.fallback_ops
+    for order in ([3, 0, 4, 1, 2], [1, 2, -1, 0, 3]):
+        got_x, want_x = x.clone(), x.clone()
+        (got,) = plan(got_x, torch.tensor(order))
+        want = _Unpermute()(want_x, torch.tensor(order))
+        assert torch.equal(got, want) and torch.equal(got_x, want_x), order
+    with pytest.raises(IndexError, match="index 5 for size 5"):
+        plan(x.clone(), torch.tensor([3, 0, 5, 1, 2]))
+
+
 class _TopTwo(torch.nn.Module):
     """A top-2 router's weights, normalised in place, and two experts' outputs summed."""
 
