@@ -395,6 +395,27 @@ def _lower_index_put(lw: _Lowering, node: Node):
     lw.op(node, "index_put", [lw.view(rows), lw.view(ids), lw.view(values)])
 
 
+def _lower_histc(lw: _Lowering, node: Node):
+    """torch.histc over float32 with min < max (min == max takes them from the data)."""
+    x, _, lo, hi = [*node.args, *(100, 0, 0)[len(node.args) - 1:]]  # bins: y's size
+    if node.kwargs or val(x).dtype != torch.float32:
+        return False
+    lw.op(node, "histc", [lw.view(val(node)), lw.view(val(x))], [], [float(lo), float(hi)])
+
+
+def _lower_cumsum(lw: _Lowering, node: Node):
+    """cumsum along the last dim; x.to(dtype) first, into y, when dtype converts it."""
+    x, dim = node.args[:2]
+    y = val(node)
+    if dim % max(val(x).dim(), 1) != max(val(x).dim(), 1) - 1 or y.dtype not in (torch.int32, torch.int64,
+                                                                                  torch.float32):
+        return False
+    if val(x).dtype != y.dtype:
+        lw.op(node, "convert", [lw.view(y), lw.view(val(x))])
+        x = node
+    lw.op(node, "cumsum", [lw.view(y), lw.view(val(x))])
+
+
 def _lower_empty(lw: _Lowering, node: Node):
     """Memory whose contents are undefined: a step that does nothing but count
     it as written (capture refuses a read of memory no step has written)."""
@@ -495,6 +516,8 @@ LOWERINGS = {
     aten.embedding.default: _lower_embedding,
     aten.index.Tensor: _lower_index,
     aten.empty_like.default: _lower_empty,
+    aten.histc.default: _lower_histc,
+    aten.cumsum.default: _lower_cumsum,
     aten.empty.memory_format: _lower_empty,
     aten.native_layer_norm.default: _lower_layer_norm,
     aten._softmax.default: _lower_softmax,

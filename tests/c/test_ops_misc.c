@@ -155,6 +155,62 @@ Test(index_put, reports_an_id_out_of_range_and_names_bad_slots) {
     tt_free(&k);
 }
 
+/* ---- histc: slots y 0, x 1; fp[0] min, fp[1] max (tests/python compares with torch.histc) ---- */
+
+Test(histc, counts_each_bin_the_last_closed_and_skips_what_lies_outside) {
+    tt_rng r = {49};
+    tt_case k = {0};
+    kw_tensor *x = tt_tensor(&k, 1, KW_F32, 2, TT_DIMS(2, 5), NULL, 0, 0, &r);
+    kw_tensor *y = tt_tensor(&k, 0, KW_F32, 1, TT_DIMS(4), NULL, 9, 9, &r);
+    const double v[10] = {0, 3, 3, 1.5, -0.1, 3.1, NAN, 2.9, 0.75, 0.74};
+    for (int i = 0; i < 10; i++) tt_set(x, (int64_t[]){i / 5, i % 5}, v[i]);
+    k.c.fp[0] = 0, k.c.fp[1] = 3;
+    tt_check_variants(KW_OP_HISTC, &k, exact, "histc");
+    tt_run(KW_OP_HISTC, kw_cpu_isa(), &k.c, 2);
+    double got[4];
+    for (int b = 0; b < 4; b++) got[b] = tt_get(y, (int64_t[]){b});
+    /* bins of width 0.75: [0, .75) 0 and 0.74; [.75, 1.5) 0.75; [1.5, 2.25) 1.5; [2.25, 3] 2.9, 3, 3 */
+    cr_expect(got[0] == 2 && got[1] == 1 && got[2] == 1 && got[3] == 3, "got %g %g %g %g", got[0], got[1], got[2],
+              got[3]);
+    k.c.fp[1] = 0;
+    tt_expect_reject(KW_OP_HISTC, &k.c, KW_EINVAL, "histc: min (fp[0]) must be below max (fp[1])");
+    tt_free(&k);
+}
+
+/* ---- cumsum: slots y 0, x 1 ---- */
+
+Test(cumsum, sums_each_row_in_order_in_place_too) {
+    tt_rng r = {50};
+    static const kw_dtype dts[] = {KW_I32, KW_I64, KW_F32};
+    for (int trial = 0; trial < 9; trial++) {
+        const kw_dtype dt = dts[trial % 3];
+        const int64_t R = tt_int(&r, 1, 4), N = tt_int(&r, 1, 30);
+        tt_case k = {0};
+        kw_tensor *x = tt_padded(&k, 1, dt, 2, TT_DIMS(R, N), tt_int(&r, 0, 1) * 3, -100, 100, &r);
+        double want[4][30];
+        for (int64_t i = 0; i < R; i++) {
+            double sum = 0;
+            for (int64_t j = 0; j < N; j++) want[i][j] = sum += tt_get(x, (int64_t[]){i, j});
+        }
+        if (trial < 6) {
+            tt_tensor(&k, 0, dt, 2, TT_DIMS(R, N), NULL, 0, 0, &r);
+            tt_check_variants(KW_OP_CUMSUM, &k, (tt_tol){0, 1e-6}, "cumsum");
+        } else {
+            tt_alias(&k, 0, 1); /* in place: run once, the rows summed over themselves */
+        }
+        tt_run(KW_OP_CUMSUM, kw_cpu_isa(), &k.c, 2);
+        for (int64_t i = 0; i < R; i++)
+            for (int64_t j = 0; j < N; j++)
+                cr_expect_float_eq(tt_get(&k.c.t[0], (int64_t[]){i, j}), want[i][j], 1e-4, "trial %d", trial);
+        tt_free(&k);
+    }
+    tt_case k = {0};
+    tt_tensor(&k, 1, KW_F32, 1, TT_DIMS(4), NULL, 0, 1, &r);
+    tt_tensor(&k, 0, KW_I32, 1, TT_DIMS(4), NULL, 0, 0, &r);
+    tt_expect_reject(KW_OP_CUMSUM, &k.c, KW_ESHAPE, "cumsum: x must have y's dtype");
+    tt_free(&k);
+}
+
 /* ---- kv_write: slots cache 0, src 1, pos 2 ---- */
 
 Test(kv_write, writes_rows_at_positions_in_place) {

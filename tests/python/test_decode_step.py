@@ -360,6 +360,33 @@ def test_rows_written_by_an_index_tensor_are_a_native_step_in_place():
         plan(x.clone(), torch.tensor([3, 0, 5, 1, 2]))
 
 
+class _Offsets(torch.nn.Module):
+    """Where each of 8 experts' rows end: a histogram of the sorted ids, summed up."""
+
+    def forward(self, ids, x):
+        return torch.cumsum(torch.histc(ids.float(), bins=8, min=0, max=7), 0, dtype=torch.int32), \
+            torch.histc(x, bins=5, min=-1.0, max=1.5), torch.cumsum(x, -1)
+
+
+def test_histograms_and_running_sums_are_native_steps_equal_to_pytorchs():
+    """torch.histc itself is the reference: random floats, values on the bin edges
+    and outside, and the routing's integer ids."""
+    from kwker.aten_graph import trace_to_aten
+    from kwker.lower import lower_to_plan
+
+    g = torch.Generator().manual_seed(1)
+    ids, x = torch.randint(0, 8, (6,), generator=g), torch.rand(4, 300, generator=g) * 3 - 1.5
+    plan, report = lower_to_plan(trace_to_aten(_Offsets(), [ids, x]), [ids, x], [])
+    assert report.fallback_ops == [], report.fallback_ops
+    edges = torch.linspace(-1.0, 1.5, 6)
+    for _ in range(5):
+        x[0, :6] = edges
+        got, want = plan(ids, x), _Offsets()(ids, x)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        assert torch.equal(got[2], want[2])  # summed in double, as PyTorch sums float32
+        ids, x = torch.randint(0, 8, (6,), generator=g), torch.rand(4, 300, generator=g) * 3 - 1.5
+
+
 class _TopTwo(torch.nn.Module):
     """A top-2 router's weights, normalised in place, and two experts' outputs summed."""
 
