@@ -447,7 +447,7 @@ def _lower_sum_of_two(lw: _Lowering, node: Node):
     PyTorch forms (one addition, rounded once)."""
     x, dims = node.args[:2]
     keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
-    if node.kwargs.get("dtype") is not None or len(dims) != 1 or val(x).shape[dims[0]] != 2:
+    if node.kwargs.get("dtype") is not None or not dims or len(dims) != 1 or val(x).shape[dims[0]] != 2:
         return False
     dim = dims[0] % val(x).dim()
     y = val(node) if keepdim else val(node).unsqueeze(dim)

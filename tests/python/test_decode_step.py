@@ -411,6 +411,21 @@ def test_sums_over_two_and_in_place_divisions_are_native_steps_equal_to_eagers(d
         scores, outputs = torch.randn(3, 8, generator=g).to(dtype), torch.randn(6, 40, generator=g).to(dtype)
 
 
+class _Sums(torch.nn.Module):
+    def forward(self, x):
+        return torch.ops.aten.sum.dim_IntList(x, None), x.sum(0), x.sum(-1, keepdim=True), x.sum(1, dtype=torch.int64)
+
+
+def test_only_a_sum_over_one_dim_of_two_is_an_add_and_every_other_sum_falls_back():
+    from kwker.aten_graph import trace_to_aten
+    from kwker.lower import lower_to_plan
+
+    x = torch.randn(2, 2)
+    plan, report = lower_to_plan(trace_to_aten(_Sums(), [x]), [x], [])
+    assert report.fallback_ops == ["aten.sum.dim_IntList"] * 2
+    assert all(torch.equal(a, b) for a, b in zip(plan(x), _Sums()(x)))
+
+
 def test_a_step_that_writes_a_parameter_through_a_view_is_not_a_decode_step():
     from kwker.aten_graph import trace_to_aten
     from kwker.decode import classify_decode_step
