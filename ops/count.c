@@ -11,6 +11,8 @@
  *         dtype (int32, int64 or float32; x may be y itself): integers summed in
  *         int64 and stored wrapping, float32 in double, as PyTorch's CPU kernel
  *         does. Threads split the rows. */
+#include <math.h>
+
 #include "kw_ops_impl.h"
 
 /* ---- histc: slots y [bins] (float32), x [...] (float32, contiguous); fp[0] min, fp[1] max ---- */
@@ -22,8 +24,11 @@ static int histc_prepare(const kw_call *c, kw_isa isa, void *prep, char *msg, si
     if (!kw__present(y) || y->dtype != KW_F32 || y->ndim != 1 || y->shape[0] < 1 || !kw__is_contiguous(y))
         return kw__fail(msg, len, KW_ESHAPE, "histc: y must be contiguous float32 [bins] with bins >= 1 (got %s)",
                         kw__shape(y).s);
-    if (!((float)c->fp[0] < (float)c->fp[1]))
-        return kw__fail(msg, len, KW_EINVAL, "histc: min (fp[0]) must be below max (fp[1]) as float32 (got %g, %g)",
+    const float lo = (float)c->fp[0], hi = (float)c->fp[1];
+    if (!(lo < hi) || !isfinite((hi - lo) * (float)y->shape[0]))
+        return kw__fail(msg, len, KW_EINVAL,
+                        "histc: min (fp[0]) must be below max (fp[1]), both finite as float32 with (max - min) * bins "
+                        "finite (got %g, %g)",
                         c->fp[0], c->fp[1]);
     return 0;
 }
@@ -37,8 +42,8 @@ static void histc_kernel(const kw_call *c, int ith, int nth) {
     for (int64_t b = 0; b < bins; b++) y[b] = 0.0f;
     for (int64_t i = 0; i < n; i++) {
         if (!(x[i] >= lo && x[i] <= hi)) continue;
-        int64_t b = (int64_t)((x[i] - lo) * (float)bins / (hi - lo));
-        y[b < bins ? b : bins - 1] += 1.0f;
+        const float b = (x[i] - lo) * (float)bins / (hi - lo); /* in [0, bins] for a range prepare accepts */
+        y[b < (float)bins ? (int64_t)b : bins - 1] += 1.0f;
     }
 }
 

@@ -14,6 +14,7 @@ another path.
 """
 
 import logging
+import math
 import operator
 from dataclasses import dataclass, field
 
@@ -386,6 +387,8 @@ def _lower_index_put(lw: _Lowering, node: Node):
     rows, ids, values = val(y), val(indices[0]), val(src)
     if rows.dim() not in (1, 2) or ids.dim() != 1 or values.dim() > rows.dim():
         return False
+    if _writes_over_what_it_reads(rows) or storage_key(rows) in (storage_key(ids), storage_key(values)):
+        return False  # eager raises, or reads what it has written
     try:  # values broadcast to the rows written, as PyTorch's do
         values = values.expand(ids.shape[0], *rows.shape[1:])
     except RuntimeError:
@@ -398,8 +401,8 @@ def _lower_index_put(lw: _Lowering, node: Node):
 def _lower_histc(lw: _Lowering, node: Node):
     """torch.histc over float32 with min < max (min == max takes them from the data)."""
     x, _, lo, hi = [*node.args, *(100, 0, 0)[len(node.args) - 1:]]  # bins: y's size
-    if node.kwargs or val(x).dtype != torch.float32:
-        return False
+    if node.kwargs or val(x).dtype != torch.float32 or not math.isfinite(lo) or not math.isfinite(hi):
+        return False  # an infinite range: eager raises
     lw.op(node, "histc", [lw.view(val(node)), lw.view(val(x))], [], [float(lo), float(hi)])
 
 
@@ -422,6 +425,28 @@ def _lower_empty(lw: _Lowering, node: Node):
     lw.op(node, "nop", [lw.view(val(node))])
 
 
+def _writes_over_what_it_reads(y: torch.Tensor, *reads) -> bool:
+    """An in-place write whose destination overlaps itself (a stride of 0) or
+    part of what it reads: eager raises for these, so the fallback must run them."""
+    if torch._debug_has_internal_overlap(y) != 0:
+        return True
+    same_view = lambda t: (t.storage_offset(), t.shape, t.stride()) == (y.storage_offset(), y.shape, y.stride())
+    return any(storage_key(t) == storage_key(y) and not same_view(t) for t in reads)
+
+
+def _binary_scalar(name: str, a: torch.Tensor, b) -> float | None:
+    """b as the binary op's fp[0], or None where a float64 cannot carry it as
+    ATen would use it: an int64 beyond 2^53; for bf16 add and sub ATen rounds
+    the scalar to bf16 first (mul and div use it as it is)."""
+    if isinstance(b, bool) or not isinstance(b, (int, float)):
+        return None
+    if isinstance(b, int) and abs(b) > 2**53:
+        return None
+    if a.dtype == torch.bfloat16 and name in ("BINARY_ADD", "BINARY_SUB"):
+        return float(torch.tensor(b, dtype=torch.bfloat16))
+    return float(b)
+
+
 def _binary(name):
     """a (op) b, b a tensor or a Python number; the in-place form (add_, div_, ...)
     writes a's own memory."""
@@ -430,29 +455,34 @@ def _binary(name):
         a, b = node.args[:2]
         if node.kwargs.get("alpha", 1) != 1 or not isinstance(a, Node):
             return False
-        y = lw.view(val(a) if _is_inplace_op(node) else val(node))
-        if isinstance(b, Node):
-            lw.op(node, "binary", [y, lw.view(val(a)), lw.view(val(b))], [P[name]], [0.0])
-        elif isinstance(b, (int, float)) and not isinstance(b, bool):
-            lw.op(node, "binary", [y, lw.view(val(a)), None], [P[name]], [float(b)])
-        else:
+        inplace = _is_inplace_op(node)
+        if inplace and _writes_over_what_it_reads(val(a), *([val(b)] if isinstance(b, Node) else [])):
             return False
+        y = lw.view(val(a) if inplace else val(node))
+        if isinstance(b, Node):
+            return lw.op(node, "binary", [y, lw.view(val(a)), lw.view(val(b))], [P[name]], [0.0])
+        scalar = _binary_scalar(name, val(a), b)
+        if scalar is None:
+            return False
+        lw.op(node, "binary", [y, lw.view(val(a)), None], [P[name]], [scalar])
 
     return lower
 
 
 def _lower_sum_of_two(lw: _Lowering, node: Node):
     """sum over one dim of size 2 (a top-2 router's weights, a mixture of two
-    experts' outputs): one add of its two halves, which is exactly the sum
-    PyTorch forms (one addition, rounded once)."""
+    experts' outputs): the add of its two halves, then + 0, which is exactly the
+    sum PyTorch forms (0 + a + b: one rounding, and -0 + -0 gives +0)."""
     x, dims = node.args[:2]
     keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
-    if node.kwargs.get("dtype") is not None or not dims or len(dims) != 1 or val(x).shape[dims[0]] != 2:
+    if (node.kwargs.get("dtype") is not None or not dims or len(dims) != 1 or val(x).shape[dims[0]] != 2
+            or val(x).numel() == 0):
         return False
     dim = dims[0] % val(x).dim()
-    y = val(node) if keepdim else val(node).unsqueeze(dim)
+    y = lw.view(val(node) if keepdim else val(node).unsqueeze(dim))
     halves = [lw.view(val(x).narrow(dim, i, 1)) for i in (0, 1)]
-    lw.op(node, "binary", [lw.view(y), *halves], [P["BINARY_ADD"]], [0.0])
+    lw.op(node, "binary", [y, *halves], [P["BINARY_ADD"]], [0.0])
+    lw.op(node, "binary", [y, y, None], [P["BINARY_ADD"]], [0.0])
 
 
 def _lower_neg(lw: _Lowering, node: Node):

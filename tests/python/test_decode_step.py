@@ -1,6 +1,8 @@
 """The replayed decode step's own guarantees: packed weights stay in step with the
 model's, wide weights are read K-blocked, and a wrong call raises."""
 
+import re
+
 import pytest
 import torch
 
@@ -424,6 +426,44 @@ def test_only_a_sum_over_one_dim_of_two_is_an_add_and_every_other_sum_falls_back
     plan, report = lower_to_plan(trace_to_aten(_Sums(), [x]), [x], [])
     assert report.fallback_ops == ["aten.sum.dim_IntList"] * 2
     assert all(torch.equal(a, b) for a, b in zip(plan(x), _Sums()(x)))
+
+
+class _EdgeCases(torch.nn.Module):
+    """What a native step must do as eager does it: -0 + -0 summed to +0, a bf16
+    add of a scalar bf16 cannot hold (rounded to bf16 first), an int64 add beyond
+    2^53, an empty sum, and histc over an infinite range and in-place writes over
+    themselves (both raise)."""
+
+    def __init__(self, case: str):
+        super().__init__()
+        self.case = case
+
+    def forward(self, x, n, empty):
+        if self.case == "raises-histc":
+            return torch.histc(x.float(), bins=4, min=0.0, max=float("inf"))
+        if self.case == "raises-overlap":
+            w = x.expand(3, 4) * 1.0
+            w[0].expand(3, 4).add_(1.0)
+            return w
+        y = x.float() * 0.0 - 0.0  # -0 where x >= 0
+        return y.view(-1, 2).sum(-1), x.bfloat16() + 1 / 3, n + (2**53 + 1), empty.sum(1)
+
+
+@pytest.mark.parametrize("case", ["equal", "raises-histc", "raises-overlap"])
+def test_edge_cases_give_what_eager_gives_or_raise_as_it_does(case):
+    from kwker.aten_graph import trace_to_aten
+    from kwker.lower import lower_to_plan
+
+    args = [torch.linspace(-1, 1, 4).view(1, 4), torch.tensor([1, 2]), torch.randn(0, 2, 3)]
+    plan, _ = lower_to_plan(trace_to_aten(_EdgeCases(case), args), args, [])
+    if case != "equal":
+        with pytest.raises(RuntimeError) as eager:
+            _EdgeCases(case)(*args)
+        with pytest.raises(RuntimeError, match=re.escape(str(eager.value)[:40])):
+            plan(*args)
+        return
+    for got, want in zip(plan(*args), _EdgeCases(case)(*args)):
+        assert torch.equal(got, want) and torch.equal(got.signbit(), want.signbit())
 
 
 def test_a_step_that_writes_a_parameter_through_a_view_is_not_a_decode_step():
