@@ -141,7 +141,6 @@ static int index_put_prepare(const kw_call *c, kw_isa isa, void *prep, char *msg
 static void index_put_kernel(const kw_call *c, int ith, int nth) {
     const kw_tensor *y = &c->t[0], *ids = &c->t[1], *src = &c->t[2];
     const int64_t V = y->shape[0], D = y->shape[1], N = src->shape[0];
-    const size_t esize = kw_dtype_size(y->dtype);
     int64_t d0, d1;
     kw__split(D, 16, ith, nth, &d0, &d1);
     if (d0 >= d1) return;
@@ -151,7 +150,7 @@ static void index_put_kernel(const kw_call *c, int ith, int nth) {
             kw__report_index(c, given, V);
             continue;
         }
-        memcpy(kw__ptr(y, id * y->stride[0] + d0), kw__ptr(src, i * src->stride[0] + d0), (size_t)(d1 - d0) * esize);
+        copy_row(kw__ptr(y, id * y->stride[0] + d0), y->dtype, kw__ptr(src, i * src->stride[0] + d0), y->dtype, d1 - d0);
     }
 }
 

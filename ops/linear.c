@@ -35,16 +35,26 @@ static int amx_fits(const kw__lin *g) {
     return g->wt == KW_BF16 && g->M >= min_m && g->kblk % 2 == 0 && whole_groups;
 }
 
-int kw__lin_prepare(const kw_call *c, const char *op, int n_out, kw_isa isa, kw__lin *g, char *msg, size_t len) {
-    const kw_tensor *x = &c->t[n_out], *w = &c->t[n_out + 1], *b = &c->t[n_out + 2];
-    int err;
-    g->slots = n_out;
+/* x into g (its rows, K, dtype: y's too), and the rule its dtype sets for the
+ * weight w: bf16 x only over bf16 weights. The weight's layout is the caller's. */
+static int lin_take_x(const kw_tensor *x, const kw_tensor *w, const char *op, kw__lin *g, char *msg, size_t len) {
     if (!kw__present(x) || !kw__is_float(x->dtype) || !kw__rows_of(x, &g->M, &g->xs) || kw__last(x) < 1)
         return kw__fail(msg, len, KW_ESHAPE,
                         "%s: x must be float32 or bfloat16 [..., K] with K >= 1 and rows of contiguous K (got %s)",
                         op, kw__shape(x).s);
     g->xt = g->yt = x->dtype;
     g->K = kw__last(x);
+    if (kw__present(w) && g->xt == KW_BF16 && w->dtype != KW_BF16)
+        return kw__fail(msg, len, KW_EDTYPE, "%s: weight must be bfloat16 when x is bfloat16 (got %s)", op,
+                        kw__shape(w).s);
+    return 0;
+}
+
+int kw__lin_prepare(const kw_call *c, const char *op, int n_out, kw_isa isa, kw__lin *g, char *msg, size_t len) {
+    const kw_tensor *x = &c->t[n_out], *w = &c->t[n_out + 1], *b = &c->t[n_out + 2];
+    int err;
+    g->slots = n_out;
+    if ((err = lin_take_x(x, w, op, g, msg, len))) return err;
 
     for (int j = 0; j < n_out; j++) {
         if (!kw__present(&c->t[j])) {
@@ -59,9 +69,6 @@ int kw__lin_prepare(const kw_call *c, const char *op, int n_out, kw_isa isa, kw_
         g->n_out++;
     }
 
-    if (kw__present(w) && g->xt == KW_BF16 && w->dtype != KW_BF16)
-        return kw__fail(msg, len, KW_EDTYPE, "%s: weight must be bfloat16 when x is bfloat16 (got %s)", op,
-                        kw__shape(w).s);
     const int blocked = w->ndim == 3;
     const int64_t kblk = blocked ? w->shape[2] : w->ndim == 2 ? w->shape[1] : 0;
     if (!kw__present(w) || !kw__is_float(w->dtype) || (w->ndim != 2 && !blocked) || kblk < 1 ||
@@ -206,16 +213,9 @@ static int grouped_linear_prepare(const kw_call *c, kw_isa isa, void *prep, char
     kw__lin *g = &p->lin;
     const kw_tensor *x = &c->t[1], *w = &c->t[2], *offs = &c->t[3];
     int err;
-    if (!kw__present(x) || !kw__is_float(x->dtype) || x->ndim != 2 || !kw__rows_of(x, &g->M, &g->xs) ||
-        kw__last(x) < 1)
-        return kw__fail(msg, len, KW_ESHAPE,
-                        "grouped_linear: x must be float32 or bfloat16 [S, K] with K >= 1 and contiguous rows (got %s)",
-                        kw__shape(x).s);
-    g->xt = g->yt = x->dtype;
-    g->K = kw__last(x);
-    if (kw__present(w) && x->dtype == KW_BF16 && w->dtype != KW_BF16)
-        return kw__fail(msg, len, KW_EDTYPE, "grouped_linear: weight must be bfloat16 when x is bfloat16 (got %s)",
-                        kw__shape(w).s);
+    if ((err = lin_take_x(x, w, "grouped_linear", g, msg, len))) return err;
+    if (x->ndim != 2)
+        return kw__fail(msg, len, KW_ESHAPE, "grouped_linear: x must be [S, K] (got %s)", kw__shape(x).s);
     if (!kw__present(w) || !kw__is_float(w->dtype) || w->ndim != 3 || w->shape[0] < 1 ||
         w->shape[0] > KW__GROUPED_MAX_EXPERTS || w->shape[2] != g->K || (g->K > 1 && w->stride[2] != 1))
         return kw__fail(msg, len, KW_ESHAPE,

@@ -409,9 +409,8 @@ def _lower_histc(lw: _Lowering, node: Node):
 def _lower_cumsum(lw: _Lowering, node: Node):
     """cumsum along the last dim; x.to(dtype) first, into y, when dtype converts it."""
     x, dim = node.args[:2]
-    y = val(node)
-    if dim % max(val(x).dim(), 1) != max(val(x).dim(), 1) - 1 or y.dtype not in (torch.int32, torch.int64,
-                                                                                  torch.float32):
+    y, ndim = val(node), max(val(x).dim(), 1)
+    if dim % ndim != ndim - 1 or y.dtype not in (torch.int32, torch.int64, torch.float32):
         return False
     if val(x).dtype != y.dtype:
         lw.op(node, "convert", [lw.view(y), lw.view(val(x))])
