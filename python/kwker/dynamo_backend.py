@@ -52,7 +52,10 @@ def compile_routed(path: str, gm, example_inputs, opts: KwkerOptions):
     if path == "cpu-inference" and opts.inner is None:
         return tune_inference(gm, example_inputs, opts)
     if path in ("decode", "cpu-inference") and opts.inner is not None:
-        aten_gm = trace_to_aten(gm, example_inputs)
+        try:
+            aten_gm = trace_to_aten(gm, example_inputs)
+        except NotLowerable as e:
+            return "inductor", compile_with_inductor(gm, example_inputs, opts), {"why": str(e)}
         counts, _ = rewrite_language_model(aten_gm, glue=opts.glue)
         detail["rewrites"] = {k: v for k, v in counts.items() if v}
         if opts.inner == "eager":
@@ -73,8 +76,8 @@ def tune_inference(gm: torch.fx.GraphModule, example_inputs, opts: KwkerOptions)
         written = inputs_written(aten_gm, example_inputs)
         if written:
             why_not = f"{written[0][0].name} writes the input {written[0][1].name}: run once, not timed"
-    except Exception as e:  # what kwker's trace cannot follow, Inductor may
-        why_not = f"kwker's ATen trace failed ({type(e).__name__}: {e})"
+    except NotLowerable as e:  # what kwker's trace cannot follow, Inductor may
+        why_not = str(e)
     if why_not:
         return "inductor", compile_with_inductor(gm, example_inputs, opts), {"why": why_not}
     plan_detail = {}

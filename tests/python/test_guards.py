@@ -150,8 +150,15 @@ def _model_to_bfloat16(model):
     model.to(torch.bfloat16)
 
 
+def _zero_attention_scaling(model):
+    """A float attribute changed: Dynamo compiles again with it as a symbolic
+    float, which kwker's ATen trace cannot branch on (NotLowerable, never a
+    failed compile); Dynamo then specialises it."""
+    model.model.layers[0].self_attn.scaling = 0.0
+
+
 @pytest.mark.parametrize("change", [_widen_mlp, _replace_parameter, _relayout_parameter, _reassign_buffer,
-                                    _edit_buffer_in_place, _model_to_bfloat16])
+                                    _edit_buffer_in_place, _model_to_bfloat16, _zero_attention_scaling])
 def test_a_change_a_dropped_guard_would_have_caught_gives_eagers_tokens(change):
     model = small_model("llama")
     config = kwker.compile_config()
