@@ -8,7 +8,9 @@
  *
  *   binary   y = a (op) b, op = ip[0] (kw_binary_op); b absent: b = fp[0].
  *            F32/BF16 (y has the promoted dtype), or I64 throughout
- *            (add, sub, mul, maximum, minimum; wrapping like PyTorch).
+ *            (add, sub, mul, maximum, minimum; wrapping like PyTorch; and
+ *            floor_divide by a scalar b != 0: rounded towards -inf, as
+ *            PyTorch's integer floor division, INT64_MIN // -1 wrapping).
  *   silu_mul y = F.silu(gate) * up: silu rounded to gate's dtype, then the product
  *            rounded to y's (the promoted dtype of gate and up).
  *   gelu_mul y = F.gelu(gate, approximate=...) * up (Gemma's MLP), rounded as
@@ -51,6 +53,11 @@ static int binary_prepare(const kw_call *c, kw_isa isa, void *prep, char *msg, s
     if (c->ip[0] < 0 || c->ip[0] >= KW_BINARY_COUNT || (ints && c->ip[0] == KW_BINARY_DIV))
         return kw__fail(msg, len, KW_EINVAL, "binary: ip[0] must be a kw_binary_op, not div for int64 (got %lld)",
                         (long long)c->ip[0]);
+    if (c->ip[0] == KW_BINARY_FLOOR_DIV && (!ints || has_b || c->fp[0] == 0.0 || c->fp[0] != (double)(int64_t)c->fp[0]))
+        return kw__fail(msg, len, KW_EINVAL,
+                        "binary: floor_divide takes int64 a and an integer scalar b (fp[0]) other than 0 (got %s, b %s, "
+                        "fp[0] %g)",
+                        kw__shape(a).s, has_b ? "a tensor" : "absent", c->fp[0]);
     if ((err = need(y, "binary", "y", !ints, msg, len)) || (err = need(a, "binary", "a", !ints, msg, len)) ||
         (has_b && (err = need(b, "binary", "b", !ints, msg, len))))
         return err;
@@ -63,6 +70,14 @@ static int binary_prepare(const kw_call *c, kw_isa isa, void *prep, char *msg, s
     e->scalar = c->fp[0];
     e->run = KW__PICK(kw__binary_share, isa);
     return 0;
+}
+
+/* a // b rounded towards -inf, b != 0 (prepare); -1 negates, so INT64_MIN wraps
+ * instead of trapping. */
+static uint64_t floor_div(int64_t a, int64_t b) {
+    if (b == -1) return -(uint64_t)a;
+    const int64_t q = a / b;
+    return (uint64_t)(q - ((a % b != 0) && ((a < 0) != (b < 0))));
 }
 
 static void binary_int(const kw__ew *e, int ith, int nth) {
@@ -81,7 +96,8 @@ static void binary_int(const kw__ew *e, int ith, int nth) {
             case KW_BINARY_SUB: r = x - z; break;
             case KW_BINARY_MUL: r = x * z; break;
             case KW_BINARY_MAX: r = (int64_t)x > (int64_t)z ? x : z; break;
-            default: r = (int64_t)x < (int64_t)z ? x : z; break;
+            case KW_BINARY_MIN: r = (int64_t)x < (int64_t)z ? x : z; break;
+            default: r = floor_div((int64_t)x, (int64_t)z); break;
             }
             y[i * e->nd.stride[0][last]] = (int64_t)r;
         }

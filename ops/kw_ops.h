@@ -61,7 +61,8 @@ enum {
     X(MUL, mul)          \
     X(DIV, div)          \
     X(MAX, maximum)      \
-    X(MIN, minimum)
+    X(MIN, minimum)      \
+    X(FLOOR_DIV, floor_divide)
 #define KW_UNARY_OPS(X) \
     X(COS, cos)         \
     X(SIN, sin)         \

@@ -418,6 +418,48 @@ def _lower_cumsum(lw: _Lowering, node: Node):
     lw.op(node, "cumsum", [lw.view(y), lw.view(val(x))])
 
 
+def _lower_topk(lw: _Lowering, node: Node):
+    """torch.topk along the last dim, in PyTorch's own order among equal values
+    (ops/sort.c)."""
+    x, k, dim, largest, is_sorted = [*node.args, *(-1, True, True)[len(node.args) - 2:]]
+    if node.kwargs or dim % max(val(x).dim(), 1) != max(val(x).dim(), 1) - 1:
+        return False
+    values, indices = val(node)
+    lw.op(node, "topk", [lw.view(values), lw.view(indices), lw.view(val(x))], [int(largest), int(is_sorted)])
+
+
+# Ops whose output holds exactly the values of their first argument's, none twice.
+_SAME_VALUES = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.clone.default,
+                aten.squeeze.dim, aten.unsqueeze.default, aten.flatten.using_ints}
+
+
+def _distinct_values(x: Node) -> bool:
+    """x holds no value twice, as far as the graph shows: the indices topk
+    picked from a single row (a token's experts), seen through reshapes."""
+    while x.target in _SAME_VALUES:
+        x = x.args[0]
+    if not (x.target is operator.getitem and x.args[1] == 1 and x.args[0].target is aten.topk.default):
+        return False
+    topk = x.args[0]
+    source = val(topk.args[0])
+    dim = topk.args[2] if len(topk.args) > 2 else -1
+    return source.numel() == source.shape[dim % source.dim()] if source.dim() else True
+
+
+def _lower_sort(lw: _Lowering, node: Node):
+    """torch.sort along the last dim. Native where its order is unique: a stable
+    sort, or keys no two of which are equal (ops/sort.c sorts stably; PyTorch's
+    default unstable sort orders equal keys its own way)."""
+    x = node.args[0]
+    dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else -1)
+    descending = node.kwargs.get("descending", node.args[2] if len(node.args) > 2 else False)
+    stable = node.target is aten.sort.stable and bool(node.kwargs.get("stable"))
+    if dim % max(val(x).dim(), 1) != max(val(x).dim(), 1) - 1 or not (stable or _distinct_values(x)):
+        return False
+    values, indices = val(node)
+    lw.op(node, "sort", [lw.view(values), lw.view(indices), lw.view(val(x))], [int(descending)])
+
+
 def _lower_empty(lw: _Lowering, node: Node):
     """Memory whose contents are undefined: a step that does nothing but count
     it as written (capture refuses a read of memory no step has written)."""
@@ -546,6 +588,9 @@ LOWERINGS = {
     aten.index.Tensor: _lower_index,
     aten.empty_like.default: _lower_empty,
     aten.histc.default: _lower_histc,
+    aten.topk.default: _lower_topk,
+    aten.sort.default: _lower_sort,
+    aten.sort.stable: _lower_sort,
     aten.cumsum.default: _lower_cumsum,
     aten.empty.memory_format: _lower_empty,
     aten.native_layer_norm.default: _lower_layer_norm,
@@ -554,6 +599,7 @@ LOWERINGS = {
     aten.sub.Tensor: _binary("BINARY_SUB"),
     aten.mul.Tensor: _binary("BINARY_MUL"),
     aten.div.Tensor: _binary("BINARY_DIV"),
+    aten.floor_divide.default: _binary("BINARY_FLOOR_DIV"),
     aten.sum.dim_IntList: _lower_sum_of_two,
     aten.neg.default: _lower_neg,
     aten.gelu.default: _lower_gelu,

@@ -8,6 +8,7 @@
  * (silu_mul rounds twice): rtol 2^-6. */
 #include <criterion/criterion.h>
 #include <math.h>
+#include <string.h>
 
 #include "kw_ops_impl.h"
 #include "test_ops_util.h"
@@ -58,7 +59,7 @@ Test(binary, every_variant_matches_the_reference) {
         const kw_dtype yt = scalar ? at : (at == KW_F32 || bt == KW_F32 ? KW_F32 : KW_BF16);
         tt_case k = {0};
         eltwise_case(&k, scalar ? 1 : 2, yt, at, bt, -3, 3, &r);
-        k.c.ip[0] = trial % KW_BINARY_COUNT;
+        k.c.ip[0] = trial % KW_BINARY_FLOOR_DIV; /* the float ops: every one before floor_divide */
         k.c.fp[0] = 1.75;
         if (trial % 11 == 0) tt_set(&k.c.t[1], (int64_t[]){0, 0, 0, 0}, NAN);
         tt_check_variants(KW_OP_BINARY, &k, exact, "binary");
@@ -85,13 +86,37 @@ Test(binary, in_place_and_int64) {
         tt_check_variants(KW_OP_BINARY, &k, exact, "int64");
         for (int64_t i = 0; i < 15; i++) {
             const int64_t a = ((int64_t *)k.c.t[1].data)[i], y = ((int64_t *)k.c.t[0].data)[i];
+            const int64_t floored = (int64_t)floor((double)a / 7.0); /* exact for |a| <= 1000 */
             const int64_t want = op == KW_BINARY_ADD   ? a + 7
                                  : op == KW_BINARY_SUB ? a - 7
                                  : op == KW_BINARY_MUL ? a * 7
                                  : op == KW_BINARY_MAX ? (a > 7 ? a : 7)
-                                                       : (a < 7 ? a : 7);
+                                 : op == KW_BINARY_MIN ? (a < 7 ? a : 7)
+                                                       : floored;
             cr_expect_eq(y, want, "op %d: %lld", op, (long long)a);
         }
+        tt_free(&k);
+    }
+}
+
+/* Python's // on integers: towards -inf for either sign; INT64_MIN // -1 wraps
+ * (PyTorch's own division would trap). */
+Test(binary, int64_floor_divide_by_a_scalar) {
+    tt_rng r = {24};
+    const int64_t av[6] = {7, -7, 6, -6, 0, INT64_MIN}, bs[3] = {2, -2, -1};
+    for (int bi = 0; bi < 3; bi++) {
+        tt_case k = {0};
+        kw_tensor *a = tt_tensor(&k, 1, KW_I64, 1, TT_DIMS(6), NULL, 0, 0, &r);
+        memcpy(a->data, av, sizeof av);
+        tt_tensor(&k, 0, KW_I64, 1, TT_DIMS(6), NULL, 0, 0, &r);
+        k.c.ip[0] = KW_BINARY_FLOOR_DIV;
+        k.c.fp[0] = (double)bs[bi];
+        tt_run(KW_OP_BINARY, kw_cpu_isa(), &k.c, 2);
+        const int64_t *y = k.c.t[0].data;
+        static const int64_t want[3][5] = {{3, -4, 3, -3, 0}, {-4, 3, -3, 3, 0}, {-7, 7, -6, 6, 0}};
+        for (int i = 0; i < 5; i++)
+            cr_expect_eq(y[i], want[bi][i], "%lld // %lld = %lld", (long long)av[i], (long long)bs[bi], (long long)y[i]);
+        cr_expect_eq(y[5], bs[bi] == -1 ? INT64_MIN : INT64_MIN / bs[bi]);
         tt_free(&k);
     }
 }
@@ -106,7 +131,7 @@ Test(binary, reference_by_hand) {
     for (int64_t i = 0; i < 2; i++)
         for (int64_t j = 0; j < 3; j++) tt_set(&k.c.t[1], (int64_t[]){i, j}, av[i][j]);
     for (int64_t j = 0; j < 3; j++) tt_set(&k.c.t[2], &j, bv[j]);
-    static const float want[KW_BINARY_COUNT][2][3] = {
+    static const float want[KW_BINARY_FLOOR_DIV][2][3] = {
         {{3, 2, -5}, {NAN, 4.5f, -7.999f}},
         {{-1, -6, 11}, {NAN, -3.5f, 8.001f}},
         {{2, -8, -24}, {NAN, 2, -8e-3f}},
@@ -114,7 +139,7 @@ Test(binary, reference_by_hand) {
         {{2, 4, 3}, {NAN, 4, 1e-3f}},
         {{1, -2, -8}, {NAN, 0.5f, -8}},
     };
-    for (int op = 0; op < KW_BINARY_COUNT; op++) {
+    for (int op = 0; op < KW_BINARY_FLOOR_DIV; op++) {
         k.c.ip[0] = op;
         tt_run(KW_OP_BINARY, KW_ISA_SCALAR, &k.c, 1);
         for (int64_t i = 0; i < 2; i++)

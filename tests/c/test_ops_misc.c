@@ -354,3 +354,113 @@ Test(attention, check_names_the_bad_slot) {
     tt_expect_reject(KW_OP_ATTENTION, &k.c, KW_ESHAPE, "attention: mask must be");
     tt_free(&k);
 }
+
+/* ---- topk: slots values 0, indices 1, x 2; ip[0] largest, ip[1] sorted ----
+ * Which of equal values PyTorch picks first is checked against torch.topk
+ * (tests/python/test_routing_ops.py); here, against a plain selection: the k
+ * values are the k largest (smallest), each at its index, in order when sorted. */
+
+static int ranks_above(double a, double b, int largest) { /* NaN above every number */
+    if (isnan(a) || isnan(b)) return largest ? isnan(a) && !isnan(b) : !isnan(a) && isnan(b);
+    return largest ? a > b : a < b;
+}
+
+Test(topk, keeps_the_k_largest_or_smallest_each_at_its_index) {
+    tt_rng r = {51};
+    for (int trial = 0; trial < 60; trial++) {
+        const kw_dtype dt = fdt[trial % 2];
+        const int largest = trial / 2 % 2, sorted = trial % 5 != 0, ties = trial % 3 == 0;
+        const int64_t R = tt_int(&r, 1, 5), N = trial % 4 == 0 ? tt_int(&r, 64, 300) : tt_int(&r, 1, 40);
+        const int64_t K = tt_int(&r, 1, KW__MIN(N, 6));
+        tt_case k = {0};
+        kw_tensor *x = tt_padded(&k, 2, dt, 2, TT_DIMS(R, N), tt_int(&r, 0, 1) * 3, ties ? -2 : -100, ties ? 2 : 100, &r);
+        if (ties)
+            for (int64_t i = 0; i < R; i++)
+                for (int64_t j = 0; j < N; j++) tt_set(x, (int64_t[]){i, j}, round(tt_get(x, (int64_t[]){i, j})));
+        if (trial % 7 == 0) tt_set(x, (int64_t[]){0, N / 2}, NAN);
+        kw_tensor *y = tt_tensor(&k, 0, dt, 2, TT_DIMS(R, K), NULL, 0, 0, &r);
+        kw_tensor *ids = tt_tensor(&k, 1, KW_I64, 2, TT_DIMS(R, K), NULL, 0, 0, &r);
+        k.c.ip[0] = largest, k.c.ip[1] = sorted;
+        tt_check_variants(KW_OP_TOPK, &k, exact, "topk");
+        tt_run(KW_OP_TOPK, kw_cpu_isa(), &k.c, 2);
+        for (int64_t i = 0; i < R; i++) {
+            int taken[300] = {0};
+            for (int64_t j = 0; j < K; j++) {
+                const int64_t at = (int64_t)tt_get(ids, (int64_t[]){i, j});
+                cr_assert(at >= 0 && at < N && !taken[at], "trial %d row %lld: index %lld", trial, (long long)i,
+                          (long long)at);
+                taken[at] = 1;
+                const double v = tt_get(y, (int64_t[]){i, j}), xv = tt_get(x, (int64_t[]){i, at});
+                cr_expect(v == xv || (isnan(v) && isnan(xv)), "trial %d: value %g at index %lld holds %g", trial, v,
+                          (long long)at, xv);
+                if (sorted && j > 0)
+                    cr_expect(!ranks_above(v, tt_get(y, (int64_t[]){i, j - 1}), largest), "trial %d: out of order",
+                              trial);
+            }
+            for (int64_t o = 0; o < N; o++) { /* nothing left out ranks above anything kept */
+                if (taken[o]) continue;
+                for (int64_t j = 0; j < K; j++)
+                    cr_expect(!ranks_above(tt_get(x, (int64_t[]){i, o}), tt_get(y, (int64_t[]){i, j}), largest),
+                              "trial %d row %lld: x[%lld] left out", trial, (long long)i, (long long)o);
+            }
+        }
+        tt_free(&k);
+    }
+}
+
+Test(topk, names_what_it_rejects) {
+    tt_rng r = {52};
+    tt_case k = {0};
+    tt_tensor(&k, 2, KW_F32, 2, TT_DIMS(2, 8), NULL, -1, 1, &r);
+    tt_tensor(&k, 0, KW_F32, 2, TT_DIMS(2, 9), NULL, 0, 0, &r);
+    tt_tensor(&k, 1, KW_I64, 2, TT_DIMS(2, 9), NULL, 0, 0, &r);
+    k.c.ip[0] = 1;
+    tt_expect_reject(KW_OP_TOPK, &k.c, KW_ESHAPE, "topk: k (values' last dim) must be in [1, n] with n == 8");
+    tt_tensor(&k, 0, KW_F32, 2, TT_DIMS(2, 2), NULL, 0, 0, &r);
+    tt_tensor(&k, 1, KW_I32, 2, TT_DIMS(2, 2), NULL, 0, 0, &r);
+    tt_expect_reject(KW_OP_TOPK, &k.c, KW_ESHAPE, "indices (int64)");
+    tt_tensor(&k, 2, KW_I64, 2, TT_DIMS(2, 8), NULL, -1, 1, &r);
+    tt_expect_reject(KW_OP_TOPK, &k.c, KW_EDTYPE, "topk: x must be float32 or bfloat16");
+    k.c.ip[1] = 2;
+    tt_expect_reject(KW_OP_TOPK, &k.c, KW_EINVAL, "ip[1] (sorted) must be 0 or 1");
+    tt_free(&k);
+}
+
+/* ---- sort: slots values 0, indices 1, x 2; ip[0] descending ---- */
+
+Test(sort, orders_each_row_keeping_equal_values_in_their_order) {
+    tt_rng r = {53};
+    static const kw_dtype dts[] = {KW_F32, KW_BF16, KW_I64, KW_I32};
+    for (int trial = 0; trial < 40; trial++) {
+        const kw_dtype dt = dts[trial % 4];
+        const int desc = trial / 4 % 2;
+        const int64_t R = tt_int(&r, 1, 4), N = tt_int(&r, 1, trial % 3 ? 40 : 200);
+        tt_case k = {0};
+        kw_tensor *x = tt_padded(&k, 2, dt, 2, TT_DIMS(R, N), tt_int(&r, 0, 1) * 2, -3, 3, &r);
+        if (dt == KW_F32 || dt == KW_BF16)
+            for (int64_t i = 0; i < R; i++)
+                for (int64_t j = 0; j < N; j++)
+                    tt_set(x, (int64_t[]){i, j}, j % 9 == 4 ? NAN : round(tt_get(x, (int64_t[]){i, j})));
+        kw_tensor *y = tt_tensor(&k, 0, dt, 2, TT_DIMS(R, N), NULL, 0, 0, &r);
+        kw_tensor *ids = tt_tensor(&k, 1, KW_I64, 2, TT_DIMS(R, N), NULL, 0, 0, &r);
+        k.c.ip[0] = desc;
+        tt_check_variants(KW_OP_SORT, &k, exact, "sort");
+        tt_run(KW_OP_SORT, kw_cpu_isa(), &k.c, 2);
+        for (int64_t i = 0; i < R; i++) {
+            int64_t want[200]; /* a stable insertion sort of the indices */
+            for (int64_t j = 0; j < N; j++) {
+                int64_t p = j;
+                while (p > 0 && ranks_above(tt_get(x, (int64_t[]){i, j}), tt_get(x, (int64_t[]){i, want[p - 1]}), desc))
+                    want[p] = want[p - 1], p--;
+                want[p] = j;
+            }
+            for (int64_t j = 0; j < N; j++) {
+                cr_expect_eq((int64_t)tt_get(ids, (int64_t[]){i, j}), want[j], "trial %d row %lld position %lld",
+                             trial, (long long)i, (long long)j);
+                const double v = tt_get(y, (int64_t[]){i, j}), xv = tt_get(x, (int64_t[]){i, want[j]});
+                cr_expect(v == xv || (isnan(v) && isnan(xv)), "trial %d: values", trial);
+            }
+        }
+        tt_free(&k);
+    }
+}

@@ -260,6 +260,15 @@ Test(reject, binary) {
     c.t[0] = T(KW_I64, 1, DIMS(4)), c.t[1] = T(KW_I64, 1, DIMS(4)), c.t[2] = T(KW_I64, 1, DIMS(4));
     c.ip[0] = KW_BINARY_DIV;
     tt_expect_reject(KW_OP_BINARY, &c, KW_EINVAL, "not div for int64");
+    c.ip[0] = KW_BINARY_FLOOR_DIV; /* b a tensor: a zero in it could not raise */
+    tt_expect_reject(KW_OP_BINARY, &c, KW_EINVAL, "floor_divide takes int64 a and an integer scalar b");
+    c.t[2] = absent, c.fp[0] = 0;
+    tt_expect_reject(KW_OP_BINARY, &c, KW_EINVAL, "other than 0");
+    c.fp[0] = 2;
+    accepted(KW_OP_BINARY, c);
+    c = binary_call();
+    c.ip[0] = KW_BINARY_FLOOR_DIV;
+    tt_expect_reject(KW_OP_BINARY, &c, KW_EINVAL, "floor_divide takes int64 a");
     c = binary_call();
     c.t[1] = T(KW_BF16, 1, DIMS(4)), c.t[2] = T(KW_BF16, 1, DIMS(4));
     tt_expect_reject(KW_OP_BINARY, &c, KW_EDTYPE, "y must be bfloat16");

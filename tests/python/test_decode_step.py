@@ -406,11 +406,86 @@ def test_sums_over_two_and_in_place_divisions_are_native_steps_equal_to_eagers(d
     g = torch.Generator().manual_seed(0)
     scores, outputs = torch.randn(3, 8, generator=g).to(dtype), torch.randn(6, 40, generator=g).to(dtype)
     plan, report = lower_to_plan(trace_to_aten(_TopTwo(), [scores, outputs]), [scores, outputs], [])
-    assert report.fallback_ops == ["aten.topk.default"]
+    assert report.fallback_ops == []
     for _ in range(2):
         got, want = plan(scores, outputs), _TopTwo()(scores, outputs)
         assert all(torch.equal(a, b) for a, b in zip(got, want))
         scores, outputs = torch.randn(3, 8, generator=g).to(dtype), torch.randn(6, 40, generator=g).to(dtype)
+
+
+class _TopK(torch.nn.Module):
+    def __init__(self, k: int, largest: bool, sorted: bool):
+        super().__init__()
+        self.k, self.largest, self.sorted = k, largest, sorted
+
+    def forward(self, x):
+        return torch.topk(x, self.k, -1, self.largest, self.sorted)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_topk_is_a_native_step_in_pytorchs_own_order_among_equal_values(dtype):
+    """torch.topk is the reference, on rows full of ties (values from {-1, 0, 1},
+    -0.0 and NaN among them), for each of its two algorithms: nth_element then a
+    sort of the first k - 1 (k * 64 > n), and partial_sort (k * 64 <= n)."""
+    from kwker.aten_graph import trace_to_aten
+    from kwker.lower import lower_to_plan
+
+    g = torch.Generator().manual_seed(3)
+    for n, k in [(2, 1), (4, 2), (8, 2), (8, 8), (16, 3), (60, 4), (64, 1), (130, 2), (300, 4), (33, 33)]:
+        for largest, is_sorted in [(True, True), (False, True), (True, False)]:
+            x = torch.zeros(50, n, dtype=dtype)
+            plan, report = lower_to_plan(trace_to_aten(_TopK(k, largest, is_sorted), [x]), [x], [])
+            assert report.fallback_ops == [], report.fallback_ops
+            for _ in range(3):
+                x = torch.randint(-1, 2, (50, n), generator=g).to(dtype)
+                x[torch.rand(50, n, generator=g) < 0.1] *= -0.0  # -0.0 and +0.0 compare equal
+                x[torch.rand(50, n, generator=g) < 0.03] = float("nan")
+                got, want = plan(x), _TopK(k, largest, is_sorted)(x)
+                assert torch.equal(got[1], want[1]), (n, k, largest, is_sorted)
+                assert torch.equal(got[0].view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                                   want[0].view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
+
+
+class _Route(torch.nn.Module):
+    """A mixture of experts' routing order: a token's top experts sorted by id, its
+    rows by pair (// top-k); a stable sort of ids with repeats; and a default
+    sort of them, whose order among equal ids is PyTorch's own."""
+
+    def forward(self, probs, ids):
+        experts = probs.topk(2).indices.reshape(-1)
+        by_id, pairs = torch.sort(experts)
+        return by_id, pairs // 2, pairs // -3, torch.sort(ids, stable=True), torch.sort(ids, descending=True)
+
+
+def test_sorts_whose_order_is_unique_and_integer_floor_division_are_native_steps_equal_to_eagers():
+    from kwker.aten_graph import trace_to_aten
+    from kwker.lower import lower_to_plan
+
+    g = torch.Generator().manual_seed(4)
+    probs, ids = torch.rand(1, 8, generator=g), torch.randint(0, 4, (12,), generator=g)
+    plan, report = lower_to_plan(trace_to_aten(_Route(), [probs, ids]), [probs, ids], [])
+    assert report.fallback_ops == ["aten.sort.default"]  # ids with repeats: PyTorch's own unstable order
+    for _ in range(5):
+        got, want = plan(probs, ids), _Route()(probs, ids)
+        for a, b in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(want)):
+            assert torch.equal(a, b)
+        probs, ids = torch.rand(1, 8, generator=g), torch.randint(0, 4, (12,), generator=g)
+
+
+class _FloorByZero(torch.nn.Module):
+    def forward(self, x):
+        return x // 0
+
+
+def test_an_integer_floor_division_by_zero_falls_back_and_raises_as_eager():
+    from kwker.aten_graph import trace_to_aten
+    from kwker.lower import lower_to_plan
+
+    x = torch.arange(4)
+    plan, report = lower_to_plan(trace_to_aten(_FloorByZero(), [x]), [x], [])
+    assert report.fallback_ops == ["aten.floor_divide.default"]
+    with pytest.raises(RuntimeError, match="ZeroDivisionError"):
+        plan(x)
 
 
 class _Sums(torch.nn.Module):
