@@ -438,11 +438,12 @@ def _distinct_values(x: Node) -> bool:
     picked from a single row (a token's experts), seen through reshapes."""
     while x.target in _SAME_VALUES:
         x = x.args[0]
-    if not (x.target is operator.getitem and x.args[1] == 1 and x.args[0].target is aten.topk.default):
+    if not (x.target is operator.getitem and x.args[1] == 1 and isinstance(x.args[0], Node)
+            and x.args[0].target is aten.topk.default):
         return False
     topk = x.args[0]
     source = val(topk.args[0])
-    dim = topk.args[2] if len(topk.args) > 2 else -1
+    dim = topk.kwargs.get("dim", topk.args[2] if len(topk.args) > 2 else -1)
     return source.numel() == source.shape[dim % source.dim()] if source.dim() else True
 
 

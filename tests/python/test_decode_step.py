@@ -472,6 +472,24 @@ def test_sorts_whose_order_is_unique_and_integer_floor_division_are_native_steps
         probs, ids = torch.rand(1, 8, generator=g), torch.randint(0, 4, (12,), generator=g)
 
 
+class _SortOfRepeats(torch.nn.Module):
+    """topk along dim 0 of a [1, 8] tensor: eight indices, all 0 — not a single row's distinct picks."""
+
+    def forward(self, x):
+        return torch.sort(torch.topk(x, 1, dim=0).indices.reshape(-1))
+
+
+def test_a_sort_of_topk_indices_that_repeat_stays_pytorchs():
+    from kwker.aten_graph import trace_to_aten
+    from kwker.lower import lower_to_plan
+
+    x = torch.rand(1, 8)
+    plan, report = lower_to_plan(trace_to_aten(_SortOfRepeats(), [x]), [x], [])
+    assert report.fallback_ops == ["aten.topk.default", "aten.sort.default"]  # topk: not along the last dim
+    got, want = plan(x), _SortOfRepeats()(x)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
 class _FloorByZero(torch.nn.Module):
     def forward(self, x):
         return x // 0
