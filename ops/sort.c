@@ -11,7 +11,7 @@
  *   follows those algorithms' moves. They are reproduced here move for move
  *   (introselect, median-of-three pivot, unguarded partition, insertion sort,
  *   heap select) and checked against torch.topk on rows full of ties
- *   (tests/python/test_routing_ops.py). bf16 values are compared as float32,
+ *   (tests/python/test_decode_step.py). bf16 values are compared as float32,
  *   as PyTorch does.
  * sort: each row of x in ascending (ip[0] = 0) or descending order with the
  *   indices it came from, equal values in their original order (a stable sort;

@@ -357,7 +357,7 @@ Test(attention, check_names_the_bad_slot) {
 
 /* ---- topk: slots values 0, indices 1, x 2; ip[0] largest, ip[1] sorted ----
  * Which of equal values PyTorch picks first is checked against torch.topk
- * (tests/python/test_routing_ops.py); here, against a plain selection: the k
+ * (tests/python/test_decode_step.py); here, against a plain selection: the k
  * values are the k largest (smallest), each at its index, in order when sorted. */
 
 static int ranks_above(double a, double b, int largest) { /* NaN above every number */
