@@ -511,19 +511,29 @@ def _binary(name):
     return lower
 
 
-def _lower_sum_of_two(lw: _Lowering, node: Node):
-    """sum over one dim of size 2 (a top-2 router's weights, a mixture of two
-    experts' outputs): the add of its two halves, then + 0, which is exactly the
-    sum PyTorch forms (0 + a + b: one rounding, and -0 + -0 gives +0)."""
+def _lower_small_sum(lw: _Lowering, node: Node):
+    """sum over one dim of 1 or 2 values (a top-1 or top-2 router's weights, a
+    mixture of two experts' outputs), or of 3 or 4 float32 ones (a top-3 or
+    top-4 router): a chain of adds, then + 0, which is exactly the sum PyTorch forms there
+    (0 + a + b + ...: each add rounded in the input's dtype, and -0 + -0 gives +0).
+    Checked against torch.sum: for float32 its order is that up to 4 values
+    (from 5 it is another); a bf16 sum of 3 or more rounds once, in float, so
+    a chain of bf16 adds is not it."""
     x, dims = node.args[:2]
     keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
-    if (node.kwargs.get("dtype") is not None or not dims or len(dims) != 1 or val(x).shape[dims[0]] != 2
-            or val(x).numel() == 0):
+    if node.kwargs.get("dtype") is not None or not dims or len(dims) != 1 or val(x).numel() == 0:
+        return False
+    n = val(x).shape[dims[0]]
+    if not (n in (1, 2) or (n in (3, 4) and val(x).dtype == torch.float32)):
         return False
     dim = dims[0] % val(x).dim()
     y = lw.view(val(node) if keepdim else val(node).unsqueeze(dim))
-    halves = [lw.view(val(x).narrow(dim, i, 1)) for i in (0, 1)]
-    lw.op(node, "binary", [y, *halves], [P["BINARY_ADD"]], [0.0])
+    parts = [lw.view(val(x).narrow(dim, i, 1)) for i in range(n)]
+    if n == 1:
+        return lw.op(node, "binary", [y, parts[0], None], [P["BINARY_ADD"]], [0.0])
+    lw.op(node, "binary", [y, *parts[:2]], [P["BINARY_ADD"]], [0.0])
+    for part in parts[2:]:
+        lw.op(node, "binary", [y, y, part], [P["BINARY_ADD"]], [0.0])
     lw.op(node, "binary", [y, y, None], [P["BINARY_ADD"]], [0.0])
 
 
@@ -601,7 +611,7 @@ LOWERINGS = {
     aten.mul.Tensor: _binary("BINARY_MUL"),
     aten.div.Tensor: _binary("BINARY_DIV"),
     aten.floor_divide.default: _binary("BINARY_FLOOR_DIV"),
-    aten.sum.dim_IntList: _lower_sum_of_two,
+    aten.sum.dim_IntList: _lower_small_sum,
     aten.neg.default: _lower_neg,
     aten.gelu.default: _lower_gelu,
     aten.cos.default: _unary("UNARY_COS"),

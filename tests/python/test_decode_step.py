@@ -521,6 +521,41 @@ def test_only_a_sum_over_one_dim_of_two_is_an_add_and_every_other_sum_falls_back
     assert all(torch.equal(a, b) for a, b in zip(plan(x), _Sums()(x)))
 
 
+class _SmallSums(torch.nn.Module):
+    """Sums over one dim of k values, as a top-k router and its experts' mixing take them."""
+
+    def forward(self, x, mixed):
+        return x.sum(-1), x.sum(-1, keepdim=True), mixed.sum(1), mixed.sum(0)
+
+
+@pytest.mark.parametrize("k", [1, 3, 4, 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_sum_of_one_value_or_of_three_or_four_float32_ones_is_a_chain_of_adds_equal_to_torch_sum(k, dtype):
+    """torch.sum is the reference, bit for bit, on values spread over many
+    orders of magnitude (where the order of the adds shows), and on zeros of
+    both signs; a bf16 sum of three or more, and any sum of five, stay PyTorch's."""
+    from kwker.aten_graph import trace_to_aten
+    from kwker.lower import lower_to_plan
+
+    g = torch.Generator().manual_seed(k)
+
+    def draw():
+        x = (torch.randn(6, k, generator=g) * torch.exp(torch.randn(6, k, generator=g) * 4)).to(dtype)
+        x[0] = -0.0
+        x[1, :2] = -0.0
+        mixed = (torch.randn(k, k, 40, generator=g) * torch.exp(torch.randn(k, k, 40, generator=g) * 4)).to(dtype)
+        return x, mixed
+
+    args = list(draw())
+    plan, report = lower_to_plan(trace_to_aten(_SmallSums(), args), args, [])
+    native = k == 1 or (dtype == torch.float32 and k <= 4)
+    assert report.fallback_ops == ([] if native else ["aten.sum.dim_IntList"] * 4)
+    for _ in range(20):
+        for got, want in zip(plan(*args), _SmallSums()(*args)):
+            assert torch.equal(got, want) and torch.equal(got.signbit(), want.signbit())
+        args = list(draw())
+
+
 class _EdgeCases(torch.nn.Module):
     """What a native step must do as eager does it: -0 + -0 summed to +0, a bf16
     add of a scalar bf16 cannot hold (rounded to bf16 first), an int64 add beyond
