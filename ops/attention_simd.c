@@ -36,8 +36,12 @@ static uint32_t keep_bits(const kw__attn *a, const char *mrow, int64_t s0) {
  * line of them, instead of waiting on each in turn. */
 #define KW__ATTN_AHEAD 8
 
-static inline void prefetch_row(const char *row, int64_t bytes) {
-    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(row + o);
+/* Every line of `bytes` from element `offset` of the rows of positions pos[j0 ..
+ * j1) of a cache head at `head` (rows `stride` elements of `esz` bytes apart). */
+static inline void prefetch_rows(const char *head, const int32_t *pos, int64_t j0, int64_t j1, int64_t stride,
+                                 size_t esz, int64_t offset, int64_t bytes) {
+    for (int64_t j = j0; j < j1; j++)
+        for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(head + (size_t)(pos[j] * stride + offset) * esz + o);
 }
 
 /* The positions the mask row keeps (every one without a mask). */
@@ -59,12 +63,11 @@ static void scores_head(const kw__attn *a, const char *k, const int32_t *pos, in
     const size_t ksz = kw_dtype_size(a->kt);
     const kw_v scale = kw_v_set1(a->scale);
     const int64_t row_bytes = a->D * (int64_t)ksz;
-    for (int64_t j = 0; j < KW__MIN(n, KW_VW); j++) prefetch_row(k + (size_t)(pos[j] * a->ks[2]) * ksz, row_bytes);
+    prefetch_rows(k, pos, 0, KW__MIN(n, KW_VW), a->ks[2], ksz, 0, row_bytes);
     for (int64_t j0 = 0; j0 < n; j0 += KW_VW) {
         const int64_t nj = KW__MIN(KW_VW, n - j0);
         kw_v acc[KW_VW];
-        for (int64_t j = j0 + KW_VW; j < KW__MIN(n, j0 + 2 * KW_VW); j++)
-            prefetch_row(k + (size_t)(pos[j] * a->ks[2]) * ksz, row_bytes);
+        prefetch_rows(k, pos, j0 + KW_VW, KW__MIN(n, j0 + 2 * KW_VW), a->ks[2], ksz, 0, row_bytes);
         for (int t = 0; t < KW_VW; t++) {
             acc[t] = kw_v_zero();
             if (t >= nj) continue;
@@ -120,12 +123,11 @@ static inline __attribute__((always_inline)) void pv_chunks(const kw__attn *a, c
     kw_v acc[8];
     for (int c = 0; c < C; c++) acc[c] = kw_v_zero();
     const int64_t ahead_bytes = KW__MIN(C * KW_VW, a->Dv - d0) * (int64_t)vsz;
-    for (int64_t j = 0; j < KW__MIN(n, KW__ATTN_AHEAD); j++)
-        prefetch_row(v + (size_t)(pos[j] * a->vs[2] + d0) * vsz, ahead_bytes);
+    prefetch_rows(v, pos, 0, KW__MIN(n, KW__ATTN_AHEAD), a->vs[2], vsz, d0, ahead_bytes);
     for (int64_t j = 0; j < n; j++) {
         const char *vrow = v + (size_t)(pos[j] * a->vs[2]) * vsz;
         if (j + KW__ATTN_AHEAD < n)
-            prefetch_row(v + (size_t)(pos[j + KW__ATTN_AHEAD] * a->vs[2] + d0) * vsz, ahead_bytes);
+            prefetch_rows(v, pos, j + KW__ATTN_AHEAD, j + KW__ATTN_AHEAD + 1, a->vs[2], vsz, d0, ahead_bytes);
         const kw_v pj = kw_v_set1(p[j]);
         for (int c = 0; c < C - 1; c++) acc[c] = kw_v_fmadd(pj, kw_v_ld(vrow, d0 + c * KW_VW, a->vt), acc[c]);
         const int64_t dl = d0 + (C - 1) * KW_VW;
@@ -209,12 +211,11 @@ static int64_t scan_union(const kw__attn *a, int64_t b, const kw__attn_scratch *
 static inline __attribute__((always_inline)) void pack_panels(const kw__attn *a, const char *k, const int32_t *pos,
                                                               int64_t n, int64_t np, float *kt, const kw_dtype dt) {
     const size_t ksz = kw_dtype_size(dt);
-    for (int64_t j = 0; j < KW__MIN(n, KW_VW); j++) prefetch_row(k + (size_t)(pos[j] * a->ks[2]) * ksz, a->D * (int64_t)ksz);
+    prefetch_rows(k, pos, 0, KW__MIN(n, KW_VW), a->ks[2], ksz, 0, a->D * (int64_t)ksz);
     for (int64_t j0 = 0; j0 < np; j0 += KW_VW) {
         float *panel = kt + j0 * a->D;
         const char *row[KW_VW];
-        for (int64_t j = j0 + KW_VW; j < KW__MIN(n, j0 + 2 * KW_VW); j++)
-            prefetch_row(k + (size_t)(pos[j] * a->ks[2]) * ksz, a->D * (int64_t)ksz);
+        prefetch_rows(k, pos, j0 + KW_VW, KW__MIN(n, j0 + 2 * KW_VW), a->ks[2], ksz, 0, a->D * (int64_t)ksz);
         int64_t live[KW_VW]; /* 1 for a position, 0 for the padding past n */
         for (int t = 0; t < KW_VW; t++) {
             live[t] = j0 + t < n;
@@ -314,12 +315,11 @@ static inline __attribute__((always_inline)) void pv_chunk(const kw__attn *a, co
     for (int t = 0; t < ROWS; t++)
         for (int c = 0; c < NV; c++) acc[t][c] = kw_v_zero();
     const int64_t ahead_bytes = KW__MAX(0, KW__MIN(NV * KW_VW, a->Dv - d0)) * (int64_t)vsz;
-    for (int64_t j = j0; j < KW__MIN(j1, j0 + KW__ATTN_AHEAD); j++)
-        prefetch_row(v + (size_t)(pos[j] * a->vs[2] + d0) * vsz, ahead_bytes);
+    prefetch_rows(v, pos, j0, KW__MIN(j1, j0 + KW__ATTN_AHEAD), a->vs[2], vsz, d0, ahead_bytes);
     for (int64_t j = j0; j < j1; j++) {
         const char *vrow = v + (size_t)(pos[j] * a->vs[2]) * vsz;
         if (j + KW__ATTN_AHEAD < j1)
-            prefetch_row(v + (size_t)(pos[j + KW__ATTN_AHEAD] * a->vs[2] + d0) * vsz, ahead_bytes);
+            prefetch_rows(v, pos, j + KW__ATTN_AHEAD, j + KW__ATTN_AHEAD + 1, a->vs[2], vsz, d0, ahead_bytes);
         kw_v vv[NV];
         for (int c = 0; c < NV; c++) vv[c] = kw_v_ldn(vrow, d0 + c * KW_VW, nd[c], vt);
         for (int t = 0; t < ROWS; t++) {

@@ -37,10 +37,13 @@ static size_t order_work(const void *prep) { return (size_t)((const order_prep *
 
 /* ---- topk: slots values [..., k], indices [..., k] (int64), x [..., n]; ip[0] largest, ip[1] sorted ---- */
 
-/* The comparator of topk_impl_loop: a before b. */
-static inline int before(int largest, pair a, pair b) {
-    return largest ? (isnan(a.v) && !isnan(b.v)) || a.v > b.v : (!isnan(a.v) && isnan(b.v)) || a.v < b.v;
+/* u before v, the larger first when high_first, NaN above every number; equal
+ * values: neither (the comparator of topk_impl_loop and of PyTorch's sort). */
+static inline int float_before(int high_first, float u, float v) {
+    return high_first ? (isnan(u) && !isnan(v)) || u > v : (!isnan(u) && isnan(v)) || u < v;
 }
+
+static inline int before(int largest, pair a, pair b) { return float_before(largest, a.v, b.v); }
 
 #define BEFORE(a, b) before(largest, (a), (b))
 
@@ -209,6 +212,21 @@ static void std_sort(int largest, pair *f, pair *l) {
 
 #undef BEFORE
 
+/* Thread ith's rows [r0, r1) and the row strides of x, values and indices. */
+typedef struct order_rows {
+    int64_t r0, r1, xs, ys, is;
+} order_rows;
+
+static order_rows thread_rows(const kw_call *c, int ith, int nth) {
+    order_rows o;
+    int64_t rows;
+    kw__rows_of(&c->t[2], &rows, &o.xs);
+    kw__rows_of(&c->t[0], &rows, &o.ys);
+    kw__rows_of(&c->t[1], &rows, &o.is);
+    kw__split(rows, 1, ith, nth, &o.r0, &o.r1);
+    return o;
+}
+
 static int rows_match(const kw_tensor *t, int64_t rows, int64_t last, int64_t *rs) {
     int64_t n;
     return kw__present(t) && kw__rows_of(t, &n, rs) && n == rows && kw__last(t) == last;
@@ -251,14 +269,10 @@ static void topk_kernel(const kw_call *c, int ith, int nth) {
     const kw_tensor *y = &c->t[0], *ids = &c->t[1], *x = &c->t[2];
     const int largest = (int)c->ip[0];
     const int64_t n = p->n, k = p->k;
-    int64_t rows, xs, ys, is, r0, r1;
-    kw__rows_of(x, &rows, &xs);
-    kw__rows_of(y, &rows, &ys);
-    kw__rows_of(ids, &rows, &is);
-    kw__split(rows, 1, ith, nth, &r0, &r1);
+    const order_rows o = thread_rows(c, ith, nth);
     pair *q = kw__work(c, ith);
-    for (int64_t r = r0; r < r1; r++) {
-        const char *xr = kw__ptr(x, r * xs);
+    for (int64_t r = o.r0; r < o.r1; r++) {
+        const char *xr = kw__ptr(x, r * o.xs);
         for (int64_t j = 0; j < n; j++) q[j] = (pair){kw__ldf(xr, j, x->dtype), j};
         if (k * 64 <= n) { /* std::partial_sort */
             heap_select(largest, q, k, n);
@@ -267,8 +281,8 @@ static void topk_kernel(const kw_call *c, int ith, int nth) {
             nth_element(largest, q, q + k - 1, q + n);
             if (c->ip[1]) std_sort(largest, q, q + k - 1);
         }
-        char *yr = kw__ptr(y, r * ys);
-        int64_t *ir = (int64_t *)kw__ptr(ids, r * is);
+        char *yr = kw__ptr(y, r * o.ys);
+        int64_t *ir = (int64_t *)kw__ptr(ids, r * o.is);
         for (int64_t j = 0; j < k; j++) {
             kw__stf(yr, j, y->dtype, q[j].v);
             ir[j] = q[j].i;
@@ -289,15 +303,14 @@ const kw_op_info kw_op_info_topk = {
 
 /* ---- sort: slots values [..., n], indices [..., n] (int64), x [..., n]; ip[0] descending ---- */
 
-/* a before b in the row's order, NaN above every number; equal values: neither. */
+/* Element a before element b of the row in its order; equal values: neither. */
 static int sorts_before(const char *xr, kw_dtype dt, int descending, int64_t a, int64_t b) {
     if (dt == KW_I64 || dt == KW_I32) {
         const int64_t u = dt == KW_I64 ? ((const int64_t *)xr)[a] : ((const int32_t *)xr)[a];
         const int64_t v = dt == KW_I64 ? ((const int64_t *)xr)[b] : ((const int32_t *)xr)[b];
         return descending ? u > v : u < v;
     }
-    const float u = kw__ldf(xr, a, dt), v = kw__ldf(xr, b, dt);
-    return descending ? (isnan(u) && !isnan(v)) || u > v : (!isnan(u) && isnan(v)) || u < v;
+    return float_before(descending, kw__ldf(xr, a, dt), kw__ldf(xr, b, dt));
 }
 
 static int sort_prepare(const kw_call *c, kw_isa isa, void *prep, char *msg, size_t len) {
@@ -315,15 +328,11 @@ static void sort_kernel(const kw_call *c, int ith, int nth) {
     const kw_tensor *y = &c->t[0], *ids = &c->t[1], *x = &c->t[2];
     const int desc = (int)c->ip[0];
     const int64_t n = p->n;
-    int64_t rows, xs, ys, is, r0, r1;
-    kw__rows_of(x, &rows, &xs);
-    kw__rows_of(y, &rows, &ys);
-    kw__rows_of(ids, &rows, &is);
-    kw__split(rows, 1, ith, nth, &r0, &r1);
+    const order_rows o = thread_rows(c, ith, nth);
     int64_t *const work = kw__work(c, ith);
     const size_t esz = kw_dtype_size(x->dtype);
-    for (int64_t r = r0; r < r1; r++) {
-        const char *xr = kw__ptr(x, r * xs);
+    for (int64_t r = o.r0; r < o.r1; r++) {
+        const char *xr = kw__ptr(x, r * o.xs);
         int64_t *a = work, *b = work + n;
         for (int64_t j = 0; j < n; j++) a[j] = j;
         for (int64_t w = 1; w < n; w *= 2) {
@@ -338,8 +347,8 @@ static void sort_kernel(const kw_call *c, int ith, int nth) {
             a = b;
             b = t;
         }
-        char *yr = kw__ptr(y, r * ys);
-        int64_t *ir = (int64_t *)kw__ptr(ids, r * is);
+        char *yr = kw__ptr(y, r * o.ys);
+        int64_t *ir = (int64_t *)kw__ptr(ids, r * o.is);
         for (int64_t j = 0; j < n; j++) {
             memcpy(yr + (size_t)j * esz, xr + (size_t)a[j] * esz, esz);
             ir[j] = a[j];

@@ -406,11 +406,17 @@ def _lower_histc(lw: _Lowering, node: Node):
     lw.op(node, "histc", [lw.view(val(node)), lw.view(val(x))], [], [float(lo), float(hi)])
 
 
+def _along_last_dim(x: torch.Tensor, dim: int) -> bool:
+    """dim (negative from the end) is x's last (a 0-dim tensor's only) dim."""
+    ndim = max(x.dim(), 1)
+    return dim % ndim == ndim - 1
+
+
 def _lower_cumsum(lw: _Lowering, node: Node):
     """cumsum along the last dim; x.to(dtype) first, into y, when dtype converts it."""
     x, dim = node.args[:2]
-    y, ndim = val(node), max(val(x).dim(), 1)
-    if dim % ndim != ndim - 1 or y.dtype not in (torch.int32, torch.int64, torch.float32):
+    y = val(node)
+    if not _along_last_dim(val(x), dim) or y.dtype not in (torch.int32, torch.int64, torch.float32):
         return False
     if val(x).dtype != y.dtype:
         lw.op(node, "convert", [lw.view(y), lw.view(val(x))])
@@ -422,7 +428,7 @@ def _lower_topk(lw: _Lowering, node: Node):
     """torch.topk along the last dim, in PyTorch's own order among equal values
     (ops/sort.c)."""
     x, k, dim, largest, is_sorted = [*node.args, *(-1, True, True)[len(node.args) - 2:]]
-    if node.kwargs or dim % max(val(x).dim(), 1) != max(val(x).dim(), 1) - 1:
+    if node.kwargs or not _along_last_dim(val(x), dim):
         return False
     values, indices = val(node)
     lw.op(node, "topk", [lw.view(values), lw.view(indices), lw.view(val(x))], [int(largest), int(is_sorted)])
@@ -455,7 +461,7 @@ def _lower_sort(lw: _Lowering, node: Node):
     dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else -1)
     descending = node.kwargs.get("descending", node.args[2] if len(node.args) > 2 else False)
     stable = node.target is aten.sort.stable and bool(node.kwargs.get("stable"))
-    if dim % max(val(x).dim(), 1) != max(val(x).dim(), 1) - 1 or not (stable or _distinct_values(x)):
+    if not _along_last_dim(val(x), dim) or not (stable or _distinct_values(x)):
         return False
     values, indices = val(node)
     lw.op(node, "sort", [lw.view(values), lw.view(indices), lw.view(val(x))], [int(descending)])
