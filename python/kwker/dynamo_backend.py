@@ -9,6 +9,7 @@ import torch
 from kwker import _C, guards, summary
 from kwker.aten_graph import trace_to_aten
 from kwker.decode import compile_decode_step
+from kwker.freeze import FrozenGraph, worth_freezing
 from kwker.lower import NotLowerable
 from kwker.options import KwkerOptions, parse_options
 from kwker.plan import compile_plan, inputs_written
@@ -66,9 +67,10 @@ def compile_routed(path: str, gm, example_inputs, opts: KwkerOptions):
 
 
 def tune_inference(gm: torch.fx.GraphModule, example_inputs, opts: KwkerOptions):
-    """A CPU inference graph: stock Inductor, Dynamo's graph run eagerly and
-    kwker's plan (when the graph lowers), each timed on this call's inputs, the
-    fastest kept (kwker.tune). A graph that writes one of its inputs in place is
+    """A CPU inference graph: stock Inductor, Dynamo's graph run eagerly,
+    kwker's plan (when the graph lowers) and, for convolutions with batch
+    norms, Inductor with the model's tensors frozen (kwker.freeze), each timed
+    on this call's inputs, the fastest kept (kwker.tune). A graph that writes one of its inputs in place is
     not run more than once: it goes to Inductor."""
     why_not = None
     try:
@@ -92,7 +94,11 @@ def tune_inference(gm: torch.fx.GraphModule, example_inputs, opts: KwkerOptions)
 
     builders = {"inductor": lambda: compile_with_inductor(gm, example_inputs, opts), "eager": lambda: gm,
                 "plan": build_plan}
+    if worth_freezing(aten_gm):
+        builders["frozen"] = lambda: FrozenGraph(gm, example_inputs, dict(opts.inductor_patches))
     choice = choose(builders, example_inputs, reference="inductor")
+    if choice.name == "frozen":
+        choice.fn.fallback = choice.fallback
     detail = {"candidates": choice.ms, "choice": choice.name, "left_out": choice.left_out}
     if choice.name == "plan":
         detail.update(plan_detail, plan=choice.fn)

@@ -61,10 +61,10 @@ def note_graph(gm: torch.fx.GraphModule, compiled, grad_enabled: bool) -> None:
         for i, node in enumerate(placeholders):
             source = getattr(node.meta.get("grapharg"), "source", None)
             if source is not None:
-                frame[source.name] = frame.get(source.name, True) and i in checked and _in_module(source)
+                frame[source.name] = frame.get(source.name, True) and i in checked and in_module(source)
 
 
-def _in_module(source) -> bool:
+def in_module(source) -> bool:
     """A parameter or buffer reached through an nn.Module (with Dynamo's inlining
     of modules, the default, a module's tensors are graph inputs with such sources)."""
     return source.guard_source.is_unspecialized_nn_module()

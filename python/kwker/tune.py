@@ -39,6 +39,9 @@ class Choice:
     fn: Callable
     ms: dict[str, float] = field(default_factory=dict)  # median per candidate timed
     left_out: dict[str, str] = field(default_factory=dict)  # candidate -> why it was not timed
+    # The candidate that would be kept without the one kept (None when the reference is
+    # kept): what a kept candidate that gives up later runs instead (kwker.freeze).
+    fallback: Callable | None = None
 
 
 def choose(builders: dict[str, Callable[[], Callable]], inputs: list, reference: str) -> Choice:
@@ -46,6 +49,7 @@ def choose(builders: dict[str, Callable[[], Callable]], inputs: list, reference:
     what to call. The reference's failures propagate; the others' are logged."""
     built, outputs, left_out = {}, {}, {}
     for name, build in builders.items():
+        start = time.perf_counter()
         try:
             fn = build()
             outputs[name] = _flat_tensors(fn(*inputs))
@@ -54,6 +58,7 @@ def choose(builders: dict[str, Callable[[], Callable]], inputs: list, reference:
             if name == reference:
                 raise
             left_out[name] = f"{type(e).__name__}: {e}"
+        log.info("candidate %s built and run once in %.2f s", name, time.perf_counter() - start)
     for name in list(built):
         why = _differs(outputs[name], outputs[reference])
         if name != reference and why:
@@ -62,11 +67,15 @@ def choose(builders: dict[str, Callable[[], Callable]], inputs: list, reference:
     for name, why in left_out.items():
         log.info("candidate %s left out: %s", name, why)
     ms = _median_ms(built, inputs)
-    best = min(ms, key=ms.get)
-    if best != reference and ms[best] >= MARGIN * ms[reference]:
-        best = reference
+    best = _fastest(ms, reference)
     log.info("candidates %s: %s kept", ", ".join(f"{n} {t:.3f} ms" for n, t in ms.items()), best)
-    return Choice(best, built[best], ms, left_out)
+    fallback = None if best == reference else built[_fastest({n: t for n, t in ms.items() if n != best}, reference)]
+    return Choice(best, built[best], ms, left_out, fallback)
+
+
+def _fastest(ms: dict[str, float], reference: str) -> str:
+    best = min(ms, key=ms.get)
+    return best if ms[best] < MARGIN * ms[reference] else reference
 
 
 def _median_ms(built: dict[str, Callable], inputs: list) -> dict[str, float]:

@@ -1,0 +1,116 @@
+"""A tuned graph's frozen candidate (kwker.freeze): Inductor's freezing, whose
+constants kwker watches, never read stale."""
+
+import pytest
+import torch
+
+import kwker
+import kwker.tune
+from kwker import summary
+from kwker.freeze import FrozenGraph
+
+pytestmark = pytest.mark.usefixtures("fresh_compile_state")
+
+
+class ConvBN(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = torch.nn.BatchNorm2d(8)
+        self.head = torch.nn.Conv2d(8, 4, 1)
+        with torch.no_grad():  # statistics of their own, so that folding them in matters
+            self.bn.running_mean.uniform_(-1, 1)
+            self.bn.running_var.uniform_(0.5, 2)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.bn(self.conv(x))))
+
+
+def double_conv_weight(model, other):
+    model.conv.weight.mul_(2)
+
+
+def shift_running_mean(model, other):
+    model.bn.running_mean.add_(1)
+
+
+def load_other_state(model, other):
+    model.load_state_dict(other.state_dict())
+
+
+def replace_head_weight(model, other):
+    model.head.weight.data = other.head.weight.data.clone()
+
+
+@pytest.mark.parametrize("edit", [double_conv_weight, shift_running_mean, load_other_state, replace_head_weight])
+def test_a_frozen_graph_follows_every_change_of_the_models_tensors(edit):
+    made = []
+
+    def backend(gm, example_inputs):
+        frozen = FrozenGraph(gm, example_inputs, {})
+        frozen.fallback = gm
+        made.append(frozen)
+        return frozen
+
+    model, other, x = ConvBN().eval(), ConvBN().eval(), torch.randn(2, 3, 16, 16)
+    with torch.no_grad():
+        compiled = torch.compile(model, backend=backend)
+        torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-5)
+        (frozen,) = made
+        assert frozen.compiled is not None and len(frozen.frozen) == 8  # 2 + 2 conv tensors, 4 of the bn
+        before = model(x)
+        edit(model, other)
+        after = model(x)
+        assert not torch.allclose(before, after)
+        # Inductor's frozen graph alone still gives the old outputs ...
+        (stale,) = frozen.compiled(x)
+        torch.testing.assert_close(stale, before, rtol=1e-4, atol=1e-5)
+        # ... kwker's call sees the change, lets the frozen graph go and runs the fallback
+        torch.testing.assert_close(compiled(x), after, rtol=1e-4, atol=1e-5)
+        assert frozen.compiled is None and frozen.watches == []
+        torch.testing.assert_close(compiled(x), after, rtol=1e-4, atol=1e-5)
+
+
+def test_a_second_model_of_the_same_class_is_not_read_through_the_first_ones_constants():
+    made = []
+
+    def backend(gm, example_inputs):
+        frozen = FrozenGraph(gm, example_inputs, {})
+        frozen.fallback = gm
+        made.append(frozen)
+        return frozen
+
+    first, second, x = ConvBN().eval(), ConvBN().eval(), torch.randn(1, 3, 8, 8)
+    with torch.no_grad():
+        forward = torch.compile(ConvBN.forward, backend=backend)
+        torch.testing.assert_close(forward(first, x), first(x), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(forward(second, x), second(x), rtol=1e-4, atol=1e-5)
+    assert len(made) == 1 and made[0].compiled is None  # Dynamo reused the graph; kwker did not reuse the values
+
+
+def test_a_conv_bn_graph_is_tuned_with_a_frozen_candidate_that_stays_correct(monkeypatch):
+    real = kwker.tune._median_ms
+
+    def frozen_fastest(built, inputs):
+        ms = real(built, inputs)
+        return {name: (0.0 if name == "frozen" else t) for name, t in ms.items()}
+
+    monkeypatch.setattr(kwker.tune, "_median_ms", frozen_fastest)
+    model, other, x = ConvBN().eval(), ConvBN().eval(), torch.randn(1, 3, 16, 16)
+    with torch.no_grad():
+        compiled = torch.compile(model, backend="kwker")
+        torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-5)
+        (graph,) = summary.graphs()
+        assert graph.choice == "frozen" and {"inductor", "eager", "frozen"} <= set(graph.candidates), kwker.report()
+        model.load_state_dict(other.state_dict())
+        torch.testing.assert_close(compiled(x), other(x), rtol=1e-4, atol=1e-5)
+
+
+def test_freezing_is_not_tried_where_it_measured_no_gain_or_under_grad():
+    mlp = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU()).eval()
+    with torch.no_grad():
+        torch.compile(mlp, backend="kwker")(torch.randn(2, 16))
+    (graph,) = summary.graphs()
+    assert "frozen" not in set(graph.candidates) | set(graph.left_out), kwker.report()
+    with pytest.raises(ValueError, match="grad is enabled"):
+        FrozenGraph(torch.fx.symbolic_trace(mlp), [torch.randn(2, 16)], {})
