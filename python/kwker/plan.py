@@ -76,23 +76,30 @@ def dynamo_input_names(gm: torch.fx.GraphModule) -> list[str]:
 
 def inputs_written(aten_gm: torch.fx.GraphModule, example_inputs) -> list[tuple]:
     """(the write, the input's placeholder, the input) for each in-place op of
-    the ATen graph that writes one of its tensor inputs. What a write reaches
-    is decided by storage: a view of an input is that input."""
+    the ATen graph that writes one of its tensor inputs (any argument its schema
+    marks written: a training-mode batch norm's running statistics too). What a
+    write reaches is decided by storage: a view of an input is that input."""
     placeholders = [n for n in aten_gm.graph.nodes if n.op == "placeholder"]
     input_of_storage = {storage_key(n.meta["val"]): (n, x) for n, x in zip(placeholders, example_inputs)
                         if isinstance(x, torch.Tensor)}
     found = []
     for n in aten_gm.graph.nodes:
-        if n.op == "call_function" and _mutates_first_arg(n):
-            written = input_of_storage.get(storage_key(n.args[0].meta["val"]))
+        for arg in _written_args(n) if n.op == "call_function" else ():
+            written = input_of_storage.get(storage_key(arg.meta["val"]))
             if written:
                 found.append((n, *written))
     return found
 
 
-def _mutates_first_arg(node) -> bool:
+def _written_args(node) -> list[torch.fx.Node]:
     schema = getattr(node.target, "_schema", None)
-    return bool(schema and schema.arguments and schema.arguments[0].alias_info and schema.arguments[0].alias_info.is_write)
+    if schema is None:
+        return []
+    given = dict(zip((a.name for a in schema.arguments), node.args)) | node.kwargs
+    names = [a.name for a in schema.arguments if a.alias_info and a.alias_info.is_write]
+    if node.target == aten.native_batch_norm.default and given.get("training"):
+        names += ["running_mean", "running_var"]  # written in training, though its schema does not say so
+    return [given[name] for name in names if isinstance(given.get(name), torch.fx.Node)]
 
 
 # ATen ops a float input may feed as their second operand: the float takes its place.

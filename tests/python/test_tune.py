@@ -99,6 +99,24 @@ def test_a_graph_that_writes_its_input_runs_once_per_call_as_in_eager():
     assert graph.kind == "inductor" and "writes the input" in graph.why, kwker.report()
 
 
+def test_a_batch_norm_in_training_mode_updates_its_statistics_once_per_call():
+    """native_batch_norm writes its running statistics without its schema saying
+    so; F.batch_norm called directly has no num_batches_tracked += 1 to give it away."""
+
+    def normalize(x, mean, var):
+        return torch.nn.functional.batch_norm(x, mean, var, training=True, momentum=0.5)
+
+    x = torch.randn(4, 3, 5, 5) * 3 + 1
+    mean, var = torch.zeros(3), torch.ones(3)
+    ref_mean, ref_var = mean.clone(), var.clone()
+    with torch.no_grad():
+        out = torch.compile(normalize, backend="kwker")(x, mean, var)
+        torch.testing.assert_close(out, normalize(x, ref_mean, ref_var))
+    torch.testing.assert_close((mean, var), (ref_mean, ref_var))  # not moved once per candidate tried
+    (graph,) = summary.graphs()
+    assert graph.kind == "inductor" and "writes the input" in graph.why, kwker.report()
+
+
 def test_outputs_agree_by_relative_distance_with_nan_and_infinities_in_the_same_places():
     from kwker.tune import _differs
 
