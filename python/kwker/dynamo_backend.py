@@ -16,7 +16,7 @@ from kwker.plan import compile_plan, inputs_written
 from kwker.rewrite import rewrite_language_model
 from kwker.routing import route_graph, unfit_for_kernels
 from kwker.threads import warn_once_if_openmp_spins
-from kwker.tune import choose
+from kwker.tune import choose, forward_and_backward
 
 log = logging.getLogger(__name__)
 
@@ -38,9 +38,11 @@ def kwker_backend(gm: torch.fx.GraphModule, example_inputs, *, mode=None, option
 
 def compile_routed(path: str, gm, example_inputs, opts: KwkerOptions):
     """A decode step is replayed; another CPU inference graph is tuned (the
-    fastest of Inductor, eager and kwker's plan), or its rewritten ATen graph is
-    run eagerly (inner="eager") or compiled by Inductor (inner="inductor");
-    everything else goes to Inductor unchanged."""
+    fastest of Inductor, eager, kwker's plan and frozen Inductor), or its
+    rewritten ATen graph is run eagerly (inner="eager") or compiled by Inductor
+    (inner="inductor"); a training graph is tuned (Inductor or eager, forward
+    and backward timed), or run eagerly (inner="eager"); everything else goes to
+    Inductor unchanged."""
     detail = {}
     if path == "decode" and opts.inner != "inductor":
         try:
@@ -52,6 +54,10 @@ def compile_routed(path: str, gm, example_inputs, opts: KwkerOptions):
             path = "cpu-inference"
     if path == "cpu-inference" and opts.inner is None:
         return tune_inference(gm, example_inputs, opts)
+    if path == "training" and opts.inner is None:
+        return tune_training(gm, example_inputs, opts)
+    if path == "training" and opts.inner == "eager":  # kwker's ops have no backward: not rewritten
+        return "eager", gm, {"why": "a training graph run eagerly (inner='eager'), not rewritten"}
     if path in ("decode", "cpu-inference") and opts.inner is not None:
         try:
             aten_gm = trace_to_aten(gm, example_inputs)
@@ -70,16 +76,9 @@ def tune_inference(gm: torch.fx.GraphModule, example_inputs, opts: KwkerOptions)
     """A CPU inference graph: stock Inductor, Dynamo's graph run eagerly,
     kwker's plan (when the graph lowers) and, for convolutions with batch
     norms, Inductor with the model's tensors frozen (kwker.freeze), each timed
-    on this call's inputs, the fastest kept (kwker.tune). A graph that writes one of its inputs in place is
-    not run more than once: it goes to Inductor."""
-    why_not = None
-    try:
-        aten_gm = trace_to_aten(gm, example_inputs)
-        written = inputs_written(aten_gm, example_inputs)
-        if written:
-            why_not = f"{written[0][0].name} writes the input {written[0][1].name}: run once, not timed"
-    except NotLowerable as e:  # what kwker's trace cannot follow, Inductor may
-        why_not = str(e)
+    on this call's inputs, the fastest kept (kwker.tune). The inputs the graph
+    writes are put back after every run."""
+    aten_gm, written, why_not = traced(gm, example_inputs)
     if why_not:
         return "inductor", compile_with_inductor(gm, example_inputs, opts), {"why": why_not}
     plan_detail = {}
@@ -94,15 +93,77 @@ def tune_inference(gm: torch.fx.GraphModule, example_inputs, opts: KwkerOptions)
 
     builders = {"inductor": lambda: compile_with_inductor(gm, example_inputs, opts), "eager": lambda: gm,
                 "plan": build_plan}
-    if worth_freezing(aten_gm):
+    if worth_freezing(aten_gm) and not written:  # a written tensor is no constant
         builders["frozen"] = lambda: FrozenGraph(gm, example_inputs, dict(opts.inductor_patches))
-    choice = choose(builders, example_inputs, reference="inductor")
+    choice = choose(builders, example_inputs, reference="inductor", written=written)
     if choice.name == "frozen":
         choice.fn.fallback = choice.fallback
     detail = {"candidates": choice.ms, "choice": choice.name, "left_out": choice.left_out}
     if choice.name == "plan":
         detail.update(plan_detail, plan=choice.fn)
     return "tuned", choice.fn, detail
+
+
+def tune_training(gm: torch.fx.GraphModule, example_inputs, opts: KwkerOptions):
+    """A training graph: stock Inductor and Dynamo's graph run eagerly, each
+    timed on this call's inputs over its forward and backward (gradients of
+    the outputs' sum through torch.autograd.grad, so no .grad is written), the
+    fastest kept. kwker's own ops have no backward formulas: no plan here. A
+    graph with random ops goes to Inductor untimed: Inductor draws its own
+    random numbers, so no two candidates' outputs could be compared."""
+    with torch.no_grad():  # the forward's ATen ops are all that is read here
+        aten_gm, written, why_not = traced(gm, example_inputs)
+    random = aten_gm and next((n for n in aten_gm.graph.nodes if draws_random_numbers(n)), None)
+    if random:
+        why_not = f"a training graph with random ops ({random.target}): Inductor's random numbers are its own"
+    if why_not:
+        return "inductor", compile_with_inductor(gm, example_inputs, opts), {"why": why_not}
+
+    def build_inductor():
+        # The backward compiled with the forward: compiled lazily, at the timing's
+        # first backward, it would be compiled inside this compile, which Dynamo refuses.
+        with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
+            return compile_with_inductor(gm, example_inputs, opts)
+
+    builders = {"inductor": build_inductor, "eager": lambda: gm}
+    choice = choose(builders, example_inputs, reference="inductor", run=forward_and_backward, written=written)
+    return "training", choice.fn, {"candidates": choice.ms, "choice": choice.name, "left_out": choice.left_out}
+
+
+def draws_random_numbers(node: torch.fx.Node) -> bool:
+    """An op PyTorch tags as seeded from the random generator, other than an
+    attention whose dropout_p is 0 (tagged for its dropout, it draws nothing)."""
+    if torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ()):
+        return False
+    schema = node.target._schema
+    given = dict(zip((a.name for a in schema.arguments), node.args)) | node.kwargs
+    dropout = [given.get(a.name, a.default_value) for a in schema.arguments if a.name == "dropout_p"]
+    return dropout != [0.0]
+
+
+# The most bytes of written inputs that tuning keeps a copy of, to put back after each run.
+WRITTEN_BYTES_TO_TUNE = 64 << 20
+
+
+def traced(gm: torch.fx.GraphModule, example_inputs):
+    """(ATen graph, the inputs it writes in place, None) for a graph to tune,
+    or (..., why not) for one Inductor compiles untimed: one kwker's trace
+    cannot follow (Inductor may), or one whose written inputs (a KV cache) hold
+    more than WRITTEN_BYTES_TO_TUNE, which tuning would copy to put back after
+    each run. The caller compiles with Inductor outside any `except` block:
+    inside the one that caught the trace's failure, Inductor's compile of a
+    graph with a symbolic float failed (GuardOnDataDependentSymNode) instead of
+    having Dynamo specialise the float (test_guards, _zero_attention_scaling)."""
+    try:
+        aten_gm = trace_to_aten(gm, example_inputs)
+    except NotLowerable as e:
+        return None, [], str(e)
+    found = inputs_written(aten_gm, example_inputs)
+    written = list({id(x): x for _, _, x in found}.values())
+    size = sum(x.nbytes for x in written)
+    if size > WRITTEN_BYTES_TO_TUNE:
+        return aten_gm, written, f"{found[0][0].name} and others write {size >> 20} MiB of inputs: run once, not timed"
+    return aten_gm, written, None
 
 
 def compile_with_inductor(gm: torch.fx.GraphModule, example_inputs, opts: KwkerOptions):

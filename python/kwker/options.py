@@ -13,10 +13,12 @@ from typing import Any
 INNER_CHOICES = ("eager", "inductor")
 
 KWKER_OPTIONS_HELP = (
-    "kwker's own options are 'inner' ('eager': graphs kwker does not replay run rewritten, eagerly; "
-    "'inductor': they, and decode steps too, are compiled rewritten by Inductor; absent: decode steps "
-    "are replayed, other CPU inference graphs get the fastest of stock Inductor, eager and kwker's plan, "
-    "timed on their first call, and the rest go to stock Inductor) and 'glue' (bool: False keeps the model's own "
+    "kwker's own options are 'inner' ('eager': graphs kwker does not replay run rewritten, eagerly, and "
+    "training graphs eagerly as they are; 'inductor': inference graphs, decode steps too, are compiled "
+    "rewritten by Inductor, training graphs by stock Inductor; absent: decode steps are replayed, other "
+    "CPU inference graphs get the fastest of stock Inductor, eager, kwker's plan and (with convolutions "
+    "and batch norms) Inductor with frozen weights, training graphs the faster of stock Inductor and "
+    "eager, timed on their first call, and the rest go to stock Inductor) and 'glue' (bool: False keeps the model's own "
     "norm, rotary and gated-activation ops); every other key must be an Inductor config option (see "
     "torch._inductor.config)"
 )
@@ -24,7 +26,7 @@ KWKER_OPTIONS_HELP = (
 
 @dataclass(frozen=True)
 class KwkerOptions:
-    inner: str | None = None  # None: replay decode steps, tune other inference graphs, stock Inductor for the rest
+    inner: str | None = None  # None: replay decode steps, tune other CPU graphs, stock Inductor for the rest
     glue: bool = True
     mode: str | None = None
     inductor_patches: dict[str, Any] = field(default_factory=dict)

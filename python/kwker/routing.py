@@ -15,7 +15,7 @@ KERNEL_FLOAT_DTYPES = frozenset({torch.float32, torch.bfloat16})
 
 @dataclass(frozen=True)
 class Route:
-    path: str  # "inductor-unchanged", "inductor", "decode" or "cpu-inference"
+    path: str  # "inductor-unchanged", "inductor", "decode", "cpu-inference" or "training"
     reason: str
 
 
@@ -47,9 +47,11 @@ def route_graph(gm: torch.fx.GraphModule, example_inputs, grad_enabled: bool = F
     accelerators = sorted(graph_devices(gm, example_inputs) & ACCELERATOR_DEVICES)
     if accelerators:
         return Route("inductor-unchanged", f"tensors on {', '.join(accelerators)}: kwker's kernels are CPU-only")
+    dynamic = Route("inductor", "dynamic shapes: kwker's rewrites, plans and timings need static shapes")
     if grad_enabled and any(isinstance(x, torch.Tensor) and x.requires_grad for x in example_inputs):
-        return Route("inductor", "a training graph (grad enabled, an input requires grad): Inductor compiles it")
-    dynamic = Route("inductor", "dynamic shapes: kwker's rewrites and plans need static shapes")
+        if symbolic_tensor(example_inputs) or size_inputs(example_inputs):
+            return dynamic
+        return Route("training", "a training graph (grad enabled, an input requires grad)")
     if symbolic_tensor(example_inputs):
         return dynamic
     positions = cache_positions(gm)

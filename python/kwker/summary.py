@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 @dataclass
 class GraphReport:
     index: int
-    kind: str  # "decode-replay", "tuned", "eager", "inductor", "inductor-unchanged"
+    kind: str  # "decode-replay", "tuned", "training" (tuned too), "eager", "inductor", "inductor-unchanged"
     nodes: int
     seconds: float
     reason: str

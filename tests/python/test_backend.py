@@ -159,8 +159,8 @@ def test_kwker_logs_nothing_by_default():
 
 def test_a_graph_kwker_hands_to_inductor_gets_no_aten_trace_and_no_weight_copies(monkeypatch):
     """Routing reads Dynamo's own graph: a graph that goes to stock Inductor (a
-    training step, a float16 decode step) is never traced to ATen,
-    rewritten or given weight copies by kwker."""
+    float16 decode step) is never traced to ATen, rewritten or given weight
+    copies by kwker."""
     import kwker.dynamo_backend
     import kwker.plan
     import kwker.weights
@@ -180,9 +180,6 @@ def test_a_graph_kwker_hands_to_inductor_gets_no_aten_trace_and_no_weight_copies
     monkeypatch.setattr(kwker.plan, "WeightArena", spy("reserve", kwker.plan.WeightArena))
     monkeypatch.setattr(kwker.weights, "make_copy", spy("copy", kwker.weights.make_copy))
     summary.clear()
-    mlp = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 8))
-    x = torch.randn(2, 16)
-    torch.testing.assert_close(torch.compile(mlp, backend="kwker")(x), mlp(x))  # grad enabled: training
     model = small_model("llama", dtype=torch.float16)
     ids = torch.tensor([[3, 17, 42, 9]])
     out = model.generate(ids, max_new_tokens=3, do_sample=False, cache_implementation="static",

@@ -78,8 +78,8 @@ def plan_kept(monkeypatch):
     """The tuner keeps kwker's plan, whichever candidate this machine times fastest."""
     from kwker import dynamo_backend, tune
 
-    def plan_only(builders, inputs, reference):
-        return tune.choose({"plan": builders["plan"]}, inputs, reference="plan")
+    def plan_only(builders, inputs, reference, **how):
+        return tune.choose({"plan": builders["plan"]}, inputs, reference="plan", **how)
 
     monkeypatch.setattr(dynamo_backend, "choose", plan_only)
 
