@@ -16,7 +16,7 @@ from kwker.plan import compile_plan, inputs_written
 from kwker.rewrite import rewrite_language_model
 from kwker.routing import route_graph, unfit_for_kernels
 from kwker.threads import warn_once_if_openmp_spins
-from kwker.tune import choose, forward_and_backward
+from kwker.tune import TRAINING_TOLERANCE, choose, forward_and_backward
 
 log = logging.getLogger(__name__)
 
@@ -95,9 +95,9 @@ def tune_inference(gm: torch.fx.GraphModule, example_inputs, opts: KwkerOptions)
                 "plan": build_plan}
     if worth_freezing(aten_gm) and not written:  # a written tensor is no constant
         builders["frozen"] = lambda: FrozenGraph(gm, example_inputs, dict(opts.inductor_patches))
-    choice = choose(builders, example_inputs, reference="inductor", written=written)
+    choice = choose(builders, example_inputs, reference="inductor", truth="eager", written=written)
     if choice.name == "frozen":
-        choice.fn.fallback = choice.fallback
+        choice.fn.fallback = choice.fallback or gm
     detail = {"candidates": choice.ms, "choice": choice.name, "left_out": choice.left_out}
     if choice.name == "plan":
         detail.update(plan_detail, plan=choice.fn)
@@ -126,7 +126,8 @@ def tune_training(gm: torch.fx.GraphModule, example_inputs, opts: KwkerOptions):
             return compile_with_inductor(gm, example_inputs, opts)
 
     builders = {"inductor": build_inductor, "eager": lambda: gm}
-    choice = choose(builders, example_inputs, reference="inductor", run=forward_and_backward, written=written)
+    choice = choose(builders, example_inputs, reference="inductor", truth="eager", run=forward_and_backward,
+                    written=written, tolerance=TRAINING_TOLERANCE)
     return "training", choice.fn, {"candidates": choice.ms, "choice": choice.name, "left_out": choice.left_out}
 
 
