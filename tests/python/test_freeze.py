@@ -1,6 +1,8 @@
 """A tuned graph's frozen candidate (kwker.freeze): Inductor's freezing, whose
 constants kwker watches, never read stale."""
 
+import gc
+
 import pytest
 import torch
 
@@ -114,3 +116,16 @@ def test_freezing_is_not_tried_where_it_measured_no_gain_or_under_grad():
     assert "frozen" not in set(graph.candidates) | set(graph.left_out), kwker.report()
     with pytest.raises(ValueError, match="grad is enabled"):
         FrozenGraph(torch.fx.symbolic_trace(mlp), [torch.randn(2, 16)], {})
+
+
+def test_a_frozen_candidate_not_kept_leaves_the_models_tensors_unwatched(monkeypatch):
+    from test_tune import writable
+
+    monkeypatch.setattr(kwker.tune, "MARGIN", 0.0)  # the reference, Inductor, is kept whatever the times
+    model = torch.nn.Sequential(torch.nn.Conv2d(64, 64, 3), torch.nn.BatchNorm2d(64)).eval()  # 147 KiB of weight
+    with torch.no_grad():
+        torch.compile(model, backend="kwker")(torch.randn(1, 64, 8, 8))
+    (graph,) = summary.graphs()
+    assert graph.choice == "inductor" and "frozen" in graph.candidates, kwker.report()
+    gc.collect()
+    assert writable(model[0].weight)
