@@ -7,7 +7,7 @@ import time
 import torch
 
 from kwker import _C, guards, summary
-from kwker.aten_graph import trace_to_aten
+from kwker.aten_graph import op_arguments, trace_to_aten
 from kwker.decode import compile_decode_step
 from kwker.freeze import FrozenGraph, worth_freezing
 from kwker.lower import NotLowerable
@@ -134,12 +134,8 @@ def tune_training(gm: torch.fx.GraphModule, example_inputs, opts: KwkerOptions):
 def draws_random_numbers(node: torch.fx.Node) -> bool:
     """An op PyTorch tags as seeded from the random generator, other than an
     attention whose dropout_p is 0 (tagged for its dropout, it draws nothing)."""
-    if torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ()):
-        return False
-    schema = node.target._schema
-    given = dict(zip((a.name for a in schema.arguments), node.args)) | node.kwargs
-    dropout = [given.get(a.name, a.default_value) for a in schema.arguments if a.name == "dropout_p"]
-    return dropout != [0.0]
+    return torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ()) and \
+        op_arguments(node).get("dropout_p") != 0.0
 
 
 # The most bytes of written inputs that tuning keeps a copy of, to put back after each run.

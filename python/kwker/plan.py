@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import torch
 
-from kwker.aten_graph import trace_to_aten
+from kwker.aten_graph import op_arguments, trace_to_aten
 from kwker.lower import NotLowerable, lower_to_plan, storage_key
 from kwker.rewrite import reserved_copy_bytes, rewrite_language_model
 from kwker.weights import CopiedWeights, WeightArena
@@ -95,7 +95,7 @@ def _written_args(node) -> list[torch.fx.Node]:
     schema = getattr(node.target, "_schema", None)
     if schema is None:
         return []
-    given = dict(zip((a.name for a in schema.arguments), node.args)) | node.kwargs
+    given = op_arguments(node)
     names = [a.name for a in schema.arguments if a.alias_info and a.alias_info.is_write]
     if node.target == aten.native_batch_norm.default and given.get("training"):
         names += ["running_mean", "running_var"]  # written in training, though its schema does not say so
