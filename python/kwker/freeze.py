@@ -43,22 +43,25 @@ class FrozenGraph:
             raise ValueError("the graph reads no parameter or buffer of a module")
         self.kept = [i for i in range(len(example_inputs)) if i not in self.frozen]
         # Watched before Inductor reads them: a write during the compile is seen.
-        self.watches = [_C.Watch(example_inputs[i]) for i in self.frozen]
+        watches = [_C.Watch(example_inputs[i]) for i in self.frozen]
         graph = _with_constants(gm, {placeholders[i]: example_inputs[i] for i in self.frozen})
-        self.compiled = compile_fx(graph, [example_inputs[i] for i in self.kept],
-                                   config_patches={**inductor_patches, "freezing": True})
+        compiled = compile_fx(graph, [example_inputs[i] for i in self.kept],
+                              config_patches={**inductor_patches, "freezing": True})
+        # (the compiled graph, the watches), or None once released: one attribute,
+        # read once per call, so that a release by another thread is seen whole.
+        self.live = (compiled, watches)
         self.fallback = None  # what runs once the frozen values are stale: set by the tuner
 
     def __call__(self, *args):
-        if self.compiled is not None:
-            if all(w.matches(args[i]) for i, w in zip(self.frozen, self.watches)):
-                return self.compiled(*[args[i] for i in self.kept])
-            self._release()
+        live = self.live
+        if live is not None:
+            compiled, watches = live
+            if all(w.matches(args[i]) for i, w in zip(self.frozen, watches)):
+                return compiled(*[args[i] for i in self.kept])
+            log.info("a frozen model tensor was written or replaced: the graph's next fastest candidate runs "
+                     "from now on")
+            self.live = None  # the constants and the watched pages go with it
         return self.fallback(*args)
-
-    def _release(self) -> None:
-        log.info("a frozen model tensor was written or replaced: the graph's next fastest candidate runs from now on")
-        self.compiled, self.watches = None, []  # the constants and the watched pages go with them
 
 
 def _model_tensor(node: torch.fx.Node, x) -> bool:

@@ -59,17 +59,17 @@ def test_a_frozen_graph_follows_every_change_of_the_models_tensors(edit):
         compiled = torch.compile(model, backend=backend)
         torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-5)
         (frozen,) = made
-        assert frozen.compiled is not None and len(frozen.frozen) == 8  # 2 + 2 conv tensors, 4 of the bn
+        assert frozen.live is not None and len(frozen.frozen) == 8  # 2 + 2 conv tensors, 4 of the bn
         before = model(x)
         edit(model, other)
         after = model(x)
         assert not torch.allclose(before, after)
         # Inductor's frozen graph alone still gives the old outputs ...
-        (stale,) = frozen.compiled(x)
+        (stale,) = frozen.live[0](x)
         torch.testing.assert_close(stale, before, rtol=1e-4, atol=1e-5)
         # ... kwker's call sees the change, lets the frozen graph go and runs the fallback
         torch.testing.assert_close(compiled(x), after, rtol=1e-4, atol=1e-5)
-        assert frozen.compiled is None and frozen.watches == []
+        assert frozen.live is None
         torch.testing.assert_close(compiled(x), after, rtol=1e-4, atol=1e-5)
 
 
@@ -87,7 +87,7 @@ def test_a_second_model_of_the_same_class_is_not_read_through_the_first_ones_con
         forward = torch.compile(ConvBN.forward, backend=backend)
         torch.testing.assert_close(forward(first, x), first(x), rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(forward(second, x), second(x), rtol=1e-4, atol=1e-5)
-    assert len(made) == 1 and made[0].compiled is None  # Dynamo reused the graph; kwker did not reuse the values
+    assert len(made) == 1 and made[0].live is None  # Dynamo reused the graph; kwker did not reuse the values
 
 
 def test_a_conv_bn_graph_is_tuned_with_a_frozen_candidate_that_stays_correct(monkeypatch):
