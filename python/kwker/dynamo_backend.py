@@ -14,7 +14,7 @@ from kwker.lower import NotLowerable
 from kwker.options import KwkerOptions, parse_options
 from kwker.plan import compile_plan, inputs_written
 from kwker.rewrite import rewrite_language_model
-from kwker.routing import route_graph, unfit_for_kernels
+from kwker.routing import route_graph, size_inputs, unfit_for_kernels
 from kwker.threads import warn_once_if_openmp_spins
 from kwker.tune import TRAINING_TOLERANCE, choose, forward_and_backward
 
@@ -51,7 +51,8 @@ def compile_routed(path: str, gm, example_inputs, opts: KwkerOptions):
             return "decode-replay", plan, dict(detail, plan=plan)
         except (NotLowerable, _C.PlanError) as e:  # a PlanError here is a lowering bug: logged, never a failed compile
             detail["why"] = f"decode step not replayable: {e}"
-            path = "cpu-inference"
+            # tuned as other inference graphs, unless Dynamo made sizes inputs (timings need static shapes)
+            path = "inductor" if size_inputs(example_inputs) else "cpu-inference"
     if path == "cpu-inference" and opts.inner is None:
         return tune_inference(gm, example_inputs, opts)
     if path == "training" and opts.inner is None:
