@@ -367,8 +367,12 @@ def guarded_row(head: dict, measure: Callable[[], dict]) -> dict:
 
 
 def cpu_name() -> str:
+    """The model name with the CPU family and model: a VM's "AMD EPYC" is Zen 4
+    in family 25 and Zen 5 in family 26, which run AVX-512 at half and full width."""
     with open("/proc/cpuinfo") as f:
-        return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "unknown")
+        fields = dict(line.split(":", 1) for line in f.read().split("\n\n")[0].splitlines() if ":" in line)
+    fields = {k.strip(): v.strip() for k, v in fields.items()}
+    return f"{fields.get('model name', 'unknown')} (family {fields.get('cpu family', '?')}, model {fields.get('model', '?')})"
 
 
 def geomean_speedup(rows) -> float | None:

@@ -3,7 +3,7 @@
 With `torch._inductor.config.freezing`, Inductor treats a model's parameters and
 buffers as constants: it folds batch norms into the convolutions before them,
 packs convolution weights for oneDNN once and picks channels-last layouts
-(ResNet-50, fp32, batch 1 on the 2-vCPU Zen 4: 32.5 -> 21.3 ms). Turned on
+(ResNet-50, fp32, batch 1 on the 2-vCPU Zen 5: 32.5 -> 21.3 ms). Turned on
 globally it has a cost PyTorch documents: the compiled graph keeps computing
 with the values the weights had when it was compiled, so `load_state_dict`, an
 edit in place or another model of the same class (for which Dynamo reuses the
