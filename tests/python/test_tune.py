@@ -117,6 +117,23 @@ def test_a_graph_that_writes_its_input_is_tuned_with_the_input_put_back_after_ev
     assert graph.kind == "tuned" and {"inductor", "eager"} <= set(graph.candidates), kwker.report()
 
 
+def test_a_graph_that_writes_more_than_tuning_would_copy_runs_once_by_inductor(monkeypatch):
+    import kwker.dynamo_backend
+
+    monkeypatch.setattr(kwker.dynamo_backend, "WRITTEN_BYTES_TO_TUNE", 16)  # a KV cache's size, scaled down
+
+    def bump(x):
+        x.add_(1.0)
+        return x * 2.0
+
+    x, ref = torch.zeros(8), torch.zeros(8)
+    with torch.no_grad():
+        out = torch.compile(bump, backend="kwker")(x)
+    assert torch.equal(out, bump(ref)) and torch.equal(x, ref)
+    (graph,) = summary.graphs()
+    assert graph.kind == "inductor" and "run once, not timed" in graph.why, kwker.report()
+
+
 def test_outputs_agree_by_relative_distance_with_nan_and_infinities_in_the_same_places():
     from kwker.tune import _differs
 
