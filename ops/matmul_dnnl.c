@@ -4,6 +4,11 @@
  * takes it). Use it from M >= KW_DNNL_MIN_M_F32 / _BF16 (_BF16_AMX on an AMX
  * CPU), where it measured faster than linear.
  *
+ * The weight [N, K] may also be the transpose of a [K, N] matrix (strides
+ * (1, wk)): GPT-2's Conv1D multiplies x by its [K, N] weight as stored. oneDNN
+ * reads it through its strides; linear's kernels cannot, so under the scalar
+ * reference such a call runs the plain loop of matmul_dnnl_kn_scalar.
+ *
  * Prepared once: the primitive for this shape and its memory objects are made
  * when the plan is finished (a failure there is the step's error, never a
  * fallback at replay), owned by the step and released with the plan. Each
@@ -21,6 +26,7 @@
 
 typedef struct kw__dnnl {
     kw__lin lin; /* linear's preparation: its kernel runs the call when prim is NULL */
+    int64_t wk;  /* a [K, N] weight's K stride (its view's strides are (1, wk)); 0: [N, K] rows */
     int bias;
     dnnl_engine_t engine;
     dnnl_stream_t stream;
@@ -42,16 +48,18 @@ static void matmul_dnnl_release(void *prep) {
 
 /* The primitive for g's shape, dtypes and strides. */
 static int make_primitive(kw__dnnl *p, const kw__lin *g) {
+    /* The weight as a K × N matrix: PyTorch's [N, K] rows have strides (1, ws); a
+     * [K, N] matrix read as stored, (wk, 1). */
+    const int64_t wk_stride = p->wk ? p->wk : 1, wn_stride = p->wk ? 1 : g->ws;
     const dnnl_data_type_t dt = g->xt == KW_BF16 ? dnnl_bf16 : dnnl_f32;
     const int64_t M = g->M, N = g->n_total, K = g->K;
     dnnl_memory_desc_t src, wei, bias, dst;
     dnnl_matmul_desc_t md;
     dnnl_primitive_desc_t pd;
-    /* Weights are PyTorch's [N, K] rows, which is a K × N matrix with strides (1, ws). */
     if (dnnl_engine_create(&p->engine, dnnl_cpu, 0) ||
         dnnl_stream_create(&p->stream, p->engine, dnnl_stream_default_flags) ||
         dnnl_memory_desc_init_by_strides(&src, 2, (dnnl_dims_t){M, K}, dt, (dnnl_dims_t){g->xs, 1}) ||
-        dnnl_memory_desc_init_by_strides(&wei, 2, (dnnl_dims_t){K, N}, dt, (dnnl_dims_t){1, g->ws}) ||
+        dnnl_memory_desc_init_by_strides(&wei, 2, (dnnl_dims_t){K, N}, dt, (dnnl_dims_t){wk_stride, wn_stride}) ||
         dnnl_memory_desc_init_by_strides(&bias, 2, (dnnl_dims_t){1, N}, dt, (dnnl_dims_t){N, 1}) ||
         dnnl_memory_desc_init_by_strides(&dst, 2, (dnnl_dims_t){M, N}, dt, (dnnl_dims_t){g->out[0].ys, 1}) ||
         dnnl_matmul_desc_init(&md, &src, &wei, p->bias ? &bias : NULL, &dst) ||
@@ -67,10 +75,21 @@ static int make_primitive(kw__dnnl *p, const kw__lin *g) {
     return 0;
 }
 
+/* A weight [N, K] whose strides are (1, wk), wk >= N: the transpose of a [K, N] matrix. */
+static int64_t kn_stride(const kw_tensor *w) {
+    return w->ndim == 2 && w->shape[0] > 1 && w->shape[1] > 1 && w->stride[0] == 1 && w->stride[1] >= w->shape[0]
+               ? w->stride[1]
+               : 0;
+}
+
 static int matmul_dnnl_prepare(const kw_call *c, kw_isa isa, void *prep, char *msg, size_t len) {
     kw__dnnl *p = prep;
     kw__lin *g = &p->lin;
-    int err = kw__lin_prepare(c, "matmul_dnnl", 1, isa, g, msg, len);
+    /* linear's checks see a [K, N] weight as the [N, K] rows it is the transpose of */
+    kw_call rows = *c;
+    p->wk = kn_stride(&c->t[2]);
+    if (p->wk) rows.t[2].stride[0] = c->t[2].shape[1], rows.t[2].stride[1] = 1;
+    int err = kw__lin_prepare(&rows, "matmul_dnnl", 1, isa, g, msg, len);
     if (err) return err;
     if (g->xt != g->wt || (kw__present(&c->t[3]) && g->bt != g->xt))
         return kw__fail(msg, len, KW_EDTYPE, "matmul_dnnl: weight and bias must have x's dtype %s (got weight %s)",
@@ -90,10 +109,24 @@ static int matmul_dnnl_prepare(const kw_call *c, kw_isa isa, void *prep, char *m
     return 0;
 }
 
+/* The scalar reference for a [K, N] weight: output rows split over the threads. */
+static void matmul_dnnl_kn_scalar(const kw_call *c, const kw__dnnl *p, int ith, int nth) {
+    kw__lin g = p->lin;
+    g.b = c->t[3].data;
+    for (int64_t m = g.M * ith / nth; m < g.M * (ith + 1) / nth; m++)
+        for (int64_t n = 0; n < g.n_total; n++) {
+            float acc = 0.0f;
+            for (int64_t k = 0; k < g.K; k++)
+                acc += kw__ldf(c->t[1].data, m * g.xs + k, g.xt) * kw__ldf(c->t[2].data, n + k * p->wk, g.wt);
+            kw__stf(c->t[0].data, m * g.out[0].ys + n, g.yt, acc + kw__lin_bias(&g, n));
+        }
+}
+
 static void matmul_dnnl_kernel(const kw_call *c, int ith, int nth) {
     const kw__dnnl *p = c->prep;
     if (!p->prim) {
-        kw__linear_run(c, &p->lin, ith, nth);
+        if (p->wk) matmul_dnnl_kn_scalar(c, p, ith, nth);
+        else kw__linear_run(c, &p->lin, ith, nth);
         return;
     }
     if (ith != 0) return;

@@ -321,6 +321,35 @@ Test(matmul_dnnl, matches_the_reference) {
     }
 }
 
+/* A [K, N] weight read as stored (GPT-2's Conv1D): its [N, K] view has strides
+ * (1, wk). The scalar reference is checked against a double-precision sum first,
+ * then every variant (oneDNN) against it. */
+Test(matmul_dnnl, reads_a_transposed_weight_through_its_strides) {
+    tt_rng r = {11};
+    for (int t = 0; t < 6; t++) {
+        const kw_dtype dt = t % 2 ? KW_BF16 : KW_F32;
+        const int64_t M = t < 2 ? 3 : 40, K = 67, N = 45, wk = N + (t % 3) * 5;
+        tt_case k = {0};
+        tt_padded(&k, 1, dt, 2, TT_DIMS(M, K), t % 3, -1, 1, &r);
+        tt_tensor(&k, 2, dt, 2, TT_DIMS(N, K), TT_DIMS(1, wk), -1, 1, &r);
+        tt_tensor(&k, 0, dt, 2, TT_DIMS(M, N), NULL, 0, 0, &r);
+        const int bias = t % 3 != 0;
+        if (bias) tt_tensor(&k, 3, dt, 1, TT_DIMS(N), NULL, -1, 1, &r);
+        tt_run(KW_OP_MATMUL_DNNL, KW_ISA_SCALAR, &k.c, 2);
+        const tt_tol tol = lin_tol(dt, K);
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t n = 0; n < N; n++) {
+                double want = bias ? tt_get(&k.c.t[3], TT_DIMS(n)) : 0.0;
+                for (int64_t i = 0; i < K; i++) want += tt_get(&k.c.t[1], TT_DIMS(m, i)) * tt_get(&k.c.t[2], TT_DIMS(n, i));
+                const double got = tt_get(&k.c.t[0], TT_DIMS(m, n));
+                cr_assert_leq(fabs(got - want), tol.atol + tol.rtol * fabs(want), "y[%lld, %lld] = %g, want %g",
+                              (long long)m, (long long)n, got, want);
+            }
+        tt_check_variants(KW_OP_MATMUL_DNNL, &k, tol, "matmul_dnnl, [K, N] weight");
+        tt_free(&k);
+    }
+}
+
 Test(matmul_dnnl, rejects_mixed_dtypes) {
     tt_rng r = {10};
     tt_case k = {0};

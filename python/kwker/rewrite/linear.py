@@ -43,6 +43,12 @@ def rewrite_linears(gm: torch.fx.GraphModule, params: dict[str, torch.Tensor],
     copies go. Returns how many linears were rewritten and the copies made
     (also graph attributes)."""
     linears = [m for m in (_match_linear(n, params) for n in gm.graph.nodes) if m]
+    # A [K, N] weight (GPT-2's Conv1D) is read as stored by oneDNN's matmul, or left
+    # to PyTorch: kwker's own kernels and its copies take [N, K] rows.
+    kn = [m for m in linears if m.kn and weights.by_matmul(val(m.weight).dtype, weights.rows_per_call(val(m.x)))]
+    for m in kn:
+        _rewrite_single_as_stored(gm.graph, m)
+    linears = [m for m in linears if not m.kn]
     copies: list[weights.CopiedWeight] = []
     for group in _group_by_input(linears):
         storage = weights.decide([params[m.weight.name] for m in group], weights.rows_per_call(val(group[0].x)))
@@ -51,13 +57,18 @@ def rewrite_linears(gm: torch.fx.GraphModule, params: dict[str, torch.Tensor],
                 _rewrite_single_as_stored(gm.graph, m)
         else:
             _rewrite_group(gm, group, params, storage, arena, copies)
-    return len(linears), copies
+    return len(linears) + len(kn), copies
 
 
 def _rewrite_single_as_stored(graph, m: "_Linear") -> None:
-    """A weight read as stored: the parameter itself, no copy to keep fresh."""
+    """A weight read as stored: the parameter itself, no copy to keep fresh (a
+    [K, N] one through its transposed view)."""
     with graph.inserting_before(m.node):
-        new = graph.call_function(ops.linear.default, (m.x, m.weight, m.bias))
+        weight = m.weight
+        if m.kn:
+            weight = graph.call_function(aten.t.default, (m.weight,))
+            weight.meta["val"] = val(m.weight).t()
+        new = graph.call_function(ops.linear.default, (m.x, weight, m.bias))
     new.meta["val"] = val(m.node)
     m.node.replace_all_uses_with(new)
 
@@ -68,6 +79,7 @@ class _Linear:
     x: torch.fx.Node
     weight: torch.fx.Node  # placeholder
     bias: torch.fx.Node | None
+    kn: bool = False  # the weight is [K, N], multiplied as stored (x @ W): GPT-2's Conv1D
 
 
 def _match_linear(node, params):
@@ -79,14 +91,13 @@ def _match_linear(node, params):
             return None
     else:
         return None
-    if not (is_call(wt, aten.t.default) or (is_call(wt, aten.permute.default) and list(wt.args[1]) == [1, 0])):
-        return None
-    w = wt.args[0]
+    kn = not (is_call(wt, aten.t.default) or (is_call(wt, aten.permute.default) and list(wt.args[1]) == [1, 0]))
+    w = wt if kn else wt.args[0]
     if not (w.op == "placeholder" and w.name in params and val(w).dim() == 2):
         return None
     if bias is not None and not (bias.op == "placeholder" and bias.name in params):
         return None
-    return _Linear(node, x, w, bias)
+    return _Linear(node, x, w, bias, kn)
 
 
 def _input_key(x: torch.fx.Node):
