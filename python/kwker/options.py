@@ -19,7 +19,7 @@ KWKER_OPTIONS_HELP = (
     "CPU inference graphs get the fastest of stock Inductor, eager, kwker's plan and (with convolutions "
     "and batch norms) Inductor with frozen weights, training graphs the faster of stock Inductor and "
     "eager, timed on their first call, and the rest go to stock Inductor) and 'glue' (bool: False keeps the model's own "
-    "norm, rotary and gated-activation ops); every other key must be an Inductor config option (see "
+    "norm, rotary, written-out tanh GELU and gated-activation ops); every other key must be an Inductor config option (see "
     "torch._inductor.config)"
 )
 

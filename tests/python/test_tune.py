@@ -239,3 +239,56 @@ def test_a_candidate_that_disagrees_with_eager_is_left_out_even_inductor():
     torch.testing.assert_close(got, want)
     (graph,) = summary.graphs()
     assert graph.choice == "eager" and "differs from eager's" in graph.left_out["inductor"], kwker.report()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_kn_weight_like_gpt2s_conv1d_is_read_as_stored_by_the_plan(dtype):
+    """transformers' Conv1D computes addmm(bias, x, W) with W [K, N]: oneDNN's
+    matmul reads W through its strides, no fallback, no copy; an edit is seen."""
+    from transformers.pytorch_utils import Conv1D
+
+    from kwker.plan import compile_plan
+    from kwker.weights import DNNL_MIN_ROWS
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(Conv1D(96, 64), torch.nn.GELU(), Conv1D(64, 96)).eval().to(dtype)
+    x = torch.randn(1, DNNL_MIN_ROWS[dtype], 64, dtype=dtype)
+    made = {}
+
+    def plan_backend(gm, example_inputs):
+        made["plan"], made["detail"] = compile_plan(gm, example_inputs)
+        return made["plan"]
+
+    tol = dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    with torch.no_grad():
+        compiled = torch.compile(net, backend=plan_backend)
+        torch.testing.assert_close(compiled(x), net(x), **tol)
+        net[0].weight.mul_(-2.0)
+        torch.testing.assert_close(compiled(x), net(x), **tol)
+    detail = made["detail"]
+    assert detail["rewrites"]["linear"] == 2 and detail["fallback_ops"] == [] and detail["copies"] == 0, detail
+
+
+def test_gpt2s_written_out_gelu_is_one_tanh_gelu_and_glue_false_keeps_it():
+    from transformers.activations import NewGELUActivation
+
+    from kwker.aten_graph import trace_to_aten
+    from kwker.rewrite import rewrite_language_model
+
+    x = torch.randn(4, 64) * 3
+    counts = {}
+
+    def rewriting(glue):
+        def backend(gm, example_inputs):
+            aten_gm = trace_to_aten(gm, example_inputs)
+            counts[glue], _ = rewrite_language_model(aten_gm, glue=glue)
+            return aten_gm
+        return backend
+
+    for glue in (True, False):
+        torch._dynamo.reset()
+        with torch.no_grad():
+            got = torch.compile(NewGELUActivation(), backend=rewriting(glue))(x)
+        torch.testing.assert_close(got, NewGELUActivation()(x), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(got, torch.nn.functional.gelu(x, approximate="tanh"), rtol=1e-6, atol=1e-6)
+    assert counts[True]["tanh_gelu"] == 1 and "tanh_gelu" not in counts[False]

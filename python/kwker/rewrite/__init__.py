@@ -1,6 +1,7 @@
 """FX rewrites for language models, on the ATen graph.
 
-Each pass recognises one pattern and replaces it with one kwker op. They run
+Each pass recognises one pattern and replaces it with one kwker op (the
+written-out tanh GELU with ATen's own). They run
 in a fixed order (attention before the linears, norms before the residual adds
 that feed them) and report how many places each changed.
 """
@@ -15,6 +16,7 @@ from kwker.rewrite.linear import reserved_copy_bytes, rewrite_linears
 from kwker.rewrite.rms_norm import fuse_residual_add, fuse_rms_norm
 from kwker.rewrite.rotary import fuse_rotary
 from kwker.rewrite.gated import fuse_gated_activations
+from kwker.rewrite.gelu import fuse_tanh_gelu
 from kwker.weights import CopiedWeight, WeightArena
 
 __all__ = ["reserved_copy_bytes", "rewrite_language_model"]
@@ -25,7 +27,7 @@ log = logging.getLogger(__name__)
 def rewrite_language_model(gm: torch.fx.GraphModule, params: dict[str, torch.Tensor] | None = None,
                            glue: bool = True,
                            arena: WeightArena | None = None) -> tuple[dict[str, int], list[CopiedWeight]]:
-    """glue=False keeps the model's own norm, rotary and SiLU·mul as plain ops.
+    """glue=False keeps the model's own norm, rotary, tanh GELU and SiLU·mul as plain ops.
     params (placeholder name -> the real parameter) is given for a graph a plan
     will replay, whose linears then read kwker's weight copies where those read
     fewer bytes (kwker.weights), cut from arena; the plan keeps them fresh.
@@ -38,6 +40,7 @@ def rewrite_language_model(gm: torch.fx.GraphModule, params: dict[str, torch.Ten
         gm.graph.eliminate_dead_code()  # the replaced norms' nodes would count as users of the residual sums
         counts["add_rms_norm"] = fuse_residual_add(gm)
         counts["rotary"] = fuse_rotary(gm)
+        counts["tanh_gelu"] = fuse_tanh_gelu(gm)  # before the gated activations, which may then take it
         counts.update(fuse_gated_activations(gm))
     copies: list[CopiedWeight] = []
     if params is not None:
