@@ -78,8 +78,13 @@ def tune_inference(gm: torch.fx.GraphModule, example_inputs, opts: KwkerOptions)
     kwker's plan (when the graph lowers) and, for convolutions with batch
     norms, Inductor with the model's tensors frozen (kwker.freeze), each timed
     on this call's inputs, the fastest kept (kwker.tune). The inputs the graph
-    writes are put back after every run."""
+    writes are put back after every run. A graph with random ops goes to
+    Inductor untimed, as before tuning: every candidate draws other numbers
+    than eager, the truth."""
     aten_gm, written, why_not = traced(gm, example_inputs)
+    random = aten_gm and next((n for n in aten_gm.graph.nodes if draws_random_numbers(n)), None)
+    if random:  # Inductor's, the plan's and eager's outputs could not be compared
+        why_not = f"random ops ({random.target}): each candidate draws its own random numbers; not timed"
     if why_not:
         return "inductor", compile_with_inductor(gm, example_inputs, opts), {"why": why_not}
     plan_detail = {}
@@ -110,13 +115,20 @@ def tune_training(gm: torch.fx.GraphModule, example_inputs, opts: KwkerOptions):
     timed on this call's inputs over its forward and backward (gradients of
     the outputs' sum through torch.autograd.grad, so no .grad is written), the
     fastest kept. kwker's own ops have no backward formulas: no plan here. A
-    graph with random ops goes to Inductor untimed: Inductor draws its own
-    random numbers, so no two candidates' outputs could be compared."""
+    graph with random ops goes to Inductor untimed (Inductor draws its own
+    random numbers, so no two candidates' outputs could be compared), and so
+    does one that writes an input requiring grad (autograd would record every
+    timing run's write) or whose inputs have gradient hooks (the timing's
+    backward passes would call them)."""
     with torch.no_grad():  # the forward's ATen ops are all that is read here
         aten_gm, written, why_not = traced(gm, example_inputs)
     random = aten_gm and next((n for n in aten_gm.graph.nodes if draws_random_numbers(n)), None)
     if random:
         why_not = f"a training graph with random ops ({random.target}): Inductor's random numbers are its own"
+    elif any(x.requires_grad for x in written):  # put back, its value is; its autograd history would stack
+        why_not = "a training graph that writes an input requiring grad: run once, not timed"
+    elif any(isinstance(x, torch.Tensor) and x._backward_hooks for x in example_inputs):
+        why_not = "a training graph whose inputs have gradient hooks, which timing runs would call: not timed"
     if why_not:
         return "inductor", compile_with_inductor(gm, example_inputs, opts), {"why": why_not}
 

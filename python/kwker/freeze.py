@@ -50,7 +50,9 @@ class FrozenGraph:
         # (the compiled graph, the watches), or None once released: one attribute,
         # read once per call, so that a release by another thread is seen whole.
         self.live = (compiled, watches)
-        self.fallback = None  # what runs once the frozen values are stale: set by the tuner
+        # What runs once the frozen values are stale: Dynamo's graph, eagerly, until the
+        # tuner sets the next fastest candidate (a write during the timing finds it here).
+        self.fallback = gm
 
     def __call__(self, *args):
         live = self.live

@@ -99,7 +99,11 @@ def _written_args(node) -> list[torch.fx.Node]:
     names = [a.name for a in schema.arguments if a.alias_info and a.alias_info.is_write]
     if node.target == aten.native_batch_norm.default and given.get("training"):
         names += ["running_mean", "running_var"]  # written in training, though its schema does not say so
-    return [given[name] for name in names if isinstance(given.get(name), torch.fx.Node)]
+    written = []
+    for name in names:  # a Tensor(a!)[] (the _foreach_ and fused optimizer ops) writes each of its tensors
+        value = given.get(name)
+        written += [v for v in (value if isinstance(value, (list, tuple)) else [value]) if isinstance(v, torch.fx.Node)]
+    return written
 
 
 # ATen ops a float input may feed as their second operand: the float takes its place.

@@ -292,3 +292,45 @@ def test_gpt2s_written_out_gelu_is_one_tanh_gelu_and_glue_false_keeps_it():
         torch.testing.assert_close(got, NewGELUActivation()(x), rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(got, torch.nn.functional.gelu(x, approximate="tanh"), rtol=1e-6, atol=1e-6)
     assert counts[True]["tanh_gelu"] == 1 and "tanh_gelu" not in counts[False]
+
+
+def test_a_foreach_write_is_seen_and_the_step_runs_once():
+    """A Tensor[] the schema marks written (the _foreach_ and fused optimizer ops)."""
+
+    def step(a, b, da, db):
+        torch._foreach_add_([a, b], [da, db])
+        return a.sum() + b.sum()
+
+    args = [torch.zeros(4), torch.ones(4), torch.full((4,), 0.5), torch.full((4,), 2.0)]
+    ref = [t.clone() for t in args]
+    with torch.no_grad():
+        torch.testing.assert_close(torch.compile(step, backend="kwker")(*args), step(*ref))
+    torch.testing.assert_close(args, ref)  # a and b moved once, as eager moved them
+    assert summary.graphs()[0].kind == "tuned", kwker.report()
+
+
+def test_training_graphs_timing_would_disturb_run_once_by_inductor():
+    def residual(h, ident):
+        h += ident  # an input requiring grad, written: autograd records each write
+        return h.relu()
+
+    x, ident = torch.randn(8, requires_grad=True), torch.randn(8)
+    want = torch.autograd.grad(residual(x * 2, ident).sum(), x)[0]
+    got = torch.autograd.grad(torch.compile(residual, backend="kwker")(x * 2, ident).sum(), x)[0]
+    torch.testing.assert_close(got, want)
+    assert "writes an input requiring grad" in summary.graphs()[-1].why, kwker.report()
+
+    torch._dynamo.reset()
+    lin = torch.nn.Linear(4, 4)
+    calls = []
+    lin.weight.register_hook(lambda g: calls.append(1))
+    torch.compile(lin, backend="kwker")(torch.randn(2, 4)).sum().backward()
+    assert calls == [1] and "gradient hooks" in summary.graphs()[-1].why, kwker.report()
+
+
+def test_an_inference_graph_with_random_ops_goes_to_inductor_untimed():
+    mlp = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.5))  # training mode under no_grad
+    with torch.no_grad():
+        torch.compile(mlp, backend="kwker")(torch.randn(4, 8))
+    (graph,) = summary.graphs()
+    assert graph.kind == "inductor" and "random ops" in graph.why, kwker.report()

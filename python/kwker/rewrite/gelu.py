@@ -24,7 +24,8 @@ def fuse_tanh_gelu(gm: torch.fx.GraphModule) -> int:
             continue
         for half, rest in (mul.args, mul.args[::-1]):
             x = _times(half, 0.5)
-            if x is not None and _one_plus_tanh_of_inner(rest, x) and val(x).shape == val(mul).shape:
+            if x is not None and _one_plus_tanh_of_inner(rest, x) and val(x).shape == val(mul).shape \
+                    and val(x).dtype == val(mul).dtype and val(x).is_floating_point():
                 with gm.graph.inserting_before(mul):
                     gelu = gm.graph.call_function(aten.gelu.default, (x,), {"approximate": "tanh"})
                 gelu.meta["val"] = val(mul)
