@@ -33,6 +33,25 @@ def test_the_fastest_candidate_is_kept_and_the_reference_within_the_margin():
     assert almost.name == "ref", almost.ms
 
 
+def test_slow_calls_are_timed_three_rounds_unless_two_already_separate_them(monkeypatch):
+    monkeypatch.setattr(kwker.tune, "BUDGET_S", 0.0)  # every call over the budget, as at batch 8
+    x = torch.ones(3)
+    runs = {"ref": 0, "fast": 0, "close": 0}
+
+    def counted(name, *seconds):  # each run sleeps the next of `seconds`, in turn
+        def run(*inputs):
+            time.sleep(seconds[runs[name] % len(seconds)])
+            runs[name] += 1
+            return (x.clone(),)
+        return lambda: run
+
+    choose({"ref": counted("ref", 0.02), "fast": counted("fast", 0.0)}, [], "ref")
+    assert runs["ref"] == runs["fast"] == 1 + 2  # the check run, then two separated rounds
+    runs.update(ref=0, close=0)
+    choose({"ref": counted("ref", 0.02), "close": counted("close", 0.03, 0.01)}, [], "ref")
+    assert runs["ref"] == runs["close"] == 1 + 3  # timings that overlap: no early stop
+
+
 def test_a_candidate_that_fails_or_gives_other_outputs_is_left_out_with_the_reason():
     x = torch.ones(3)
 
