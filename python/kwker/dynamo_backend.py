@@ -82,9 +82,6 @@ def tune_inference(gm: torch.fx.GraphModule, example_inputs, opts: KwkerOptions)
     Inductor untimed, as before tuning: every candidate draws other numbers
     than eager, the truth."""
     aten_gm, written, why_not = traced(gm, example_inputs)
-    random = aten_gm and next((n for n in aten_gm.graph.nodes if draws_random_numbers(n)), None)
-    if random:  # Inductor's, the plan's and eager's outputs could not be compared
-        why_not = f"random ops ({random.target}): each candidate draws its own random numbers; not timed"
     if why_not:
         return "inductor", compile_with_inductor(gm, example_inputs, opts), {"why": why_not}
     plan_detail = {}
@@ -102,8 +99,8 @@ def tune_inference(gm: torch.fx.GraphModule, example_inputs, opts: KwkerOptions)
     if worth_freezing(aten_gm) and not written:  # a written tensor is no constant
         builders["frozen"] = lambda: FrozenGraph(gm, example_inputs, dict(opts.inductor_patches))
     choice = choose(builders, example_inputs, reference="inductor", truth="eager", written=written)
-    if choice.name == "frozen":
-        choice.fn.fallback = choice.fallback or gm
+    if choice.name == "frozen" and choice.fallback is not None:  # else Dynamo's graph, FrozenGraph's own
+        choice.fn.fallback = choice.fallback
     detail = {"candidates": choice.ms, "choice": choice.name, "left_out": choice.left_out}
     if choice.name == "plan":
         detail.update(plan_detail, plan=choice.fn)
@@ -122,12 +119,9 @@ def tune_training(gm: torch.fx.GraphModule, example_inputs, opts: KwkerOptions):
     backward passes would call them)."""
     with torch.no_grad():  # the forward's ATen ops are all that is read here
         aten_gm, written, why_not = traced(gm, example_inputs)
-    random = aten_gm and next((n for n in aten_gm.graph.nodes if draws_random_numbers(n)), None)
-    if random:
-        why_not = f"a training graph with random ops ({random.target}): Inductor's random numbers are its own"
-    elif any(x.requires_grad for x in written):  # put back, its value is; its autograd history would stack
+    if why_not is None and any(x.requires_grad for x in written):  # its value put back, not its autograd history
         why_not = "a training graph that writes an input requiring grad: run once, not timed"
-    elif any(isinstance(x, torch.Tensor) and x._backward_hooks for x in example_inputs):
+    if why_not is None and any(isinstance(x, torch.Tensor) and x._backward_hooks for x in example_inputs):
         why_not = "a training graph whose inputs have gradient hooks, which timing runs would call: not timed"
     if why_not:
         return "inductor", compile_with_inductor(gm, example_inputs, opts), {"why": why_not}
@@ -158,7 +152,8 @@ WRITTEN_BYTES_TO_TUNE = 64 << 20
 def traced(gm: torch.fx.GraphModule, example_inputs):
     """(ATen graph, the inputs it writes in place, None) for a graph to tune,
     or (..., why not) for one Inductor compiles untimed: one kwker's trace
-    cannot follow (Inductor may), or one whose written inputs (a KV cache) hold
+    cannot follow (Inductor may), one with random ops (no candidate draws the
+    numbers eager draws), or one whose written inputs (a KV cache) hold
     more than WRITTEN_BYTES_TO_TUNE, which tuning would copy to put back after
     each run. The caller compiles with Inductor outside any `except` block:
     inside the one that caught the trace's failure, Inductor's compile of a
@@ -168,6 +163,9 @@ def traced(gm: torch.fx.GraphModule, example_inputs):
         aten_gm = trace_to_aten(gm, example_inputs)
     except NotLowerable as e:
         return None, [], str(e)
+    random = next((n for n in aten_gm.graph.nodes if draws_random_numbers(n)), None)
+    if random is not None:  # Inductor's, the plan's and eager's outputs could not be compared
+        return aten_gm, [], f"random ops ({random.target}): each candidate draws its own random numbers; not timed"
     found = inputs_written(aten_gm, example_inputs)
     written = list({id(x): x for _, _, x in found}.values())
     size = sum(x.nbytes for x in written)

@@ -44,16 +44,21 @@ def replace_head_weight(model, other):
     model.head.weight.data = other.head.weight.data.clone()
 
 
-@pytest.mark.parametrize("edit", [double_conv_weight, shift_running_mean, load_other_state, replace_head_weight])
-def test_a_frozen_graph_follows_every_change_of_the_models_tensors(edit):
+def freezing_backend():
+    """A backend that returns FrozenGraph (falling back to Dynamo's graph, run
+    eagerly), and the list of those it made."""
     made = []
 
     def backend(gm, example_inputs):
-        frozen = FrozenGraph(gm, example_inputs, {})
-        frozen.fallback = gm
-        made.append(frozen)
-        return frozen
+        made.append(FrozenGraph(gm, example_inputs, {}))
+        return made[-1]
 
+    return made, backend
+
+
+@pytest.mark.parametrize("edit", [double_conv_weight, shift_running_mean, load_other_state, replace_head_weight])
+def test_a_frozen_graph_follows_every_change_of_the_models_tensors(edit):
+    made, backend = freezing_backend()
     model, other, x = ConvBN().eval(), ConvBN().eval(), torch.randn(2, 3, 16, 16)
     with torch.no_grad():
         compiled = torch.compile(model, backend=backend)
@@ -74,14 +79,7 @@ def test_a_frozen_graph_follows_every_change_of_the_models_tensors(edit):
 
 
 def test_a_second_model_of_the_same_class_is_not_read_through_the_first_ones_constants():
-    made = []
-
-    def backend(gm, example_inputs):
-        frozen = FrozenGraph(gm, example_inputs, {})
-        frozen.fallback = gm
-        made.append(frozen)
-        return frozen
-
+    made, backend = freezing_backend()
     first, second, x = ConvBN().eval(), ConvBN().eval(), torch.randn(1, 3, 8, 8)
     with torch.no_grad():
         forward = torch.compile(ConvBN.forward, backend=backend)
