@@ -1,12 +1,24 @@
 """kwker's ops as PyTorch custom ops (namespace ``kwker``).
 
 The FX rewrites put these into a graph in place of the patterns they recognise.
-Each has one meaning, stated by its eager implementation here; the replay
-lowering maps each to one native op, and Inductor calls them as extern kernels.
+Each has one meaning, stated by its reference implementation here (REFERENCE:
+PyTorch code, the tests' reference). On CPU tensors each runs its native op
+(kwker._C.run_op on kwker's pool) wherever that op's rules accept the call:
+eagerly, as Inductor's extern kernel, or as a plan's fallback step. The replay
+lowering maps each to the same native op as a step of a plan.
 """
+
+import functools
+import logging
 
 import torch
 import torch.nn.functional as F
+
+from kwker import _C
+from kwker.weights import by_matmul, rows_per_call
+
+log = logging.getLogger(__name__)
+_P = _C.op_params()
 
 _lib = torch.library.Library("kwker", "DEF")
 
@@ -83,7 +95,7 @@ def _attention(q, k_cache, v_cache, mask, scale):
     return F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask, scale=scale, enable_gqa=True)
 
 
-_EAGER = {
+REFERENCE = {
     "rms_norm": _rms_norm,
     "add_rms_norm": _add_rms_norm,
     "rotary": _rotary,
@@ -94,16 +106,144 @@ _EAGER = {
     "grouped_linear": _grouped_linear,
     "attention": _attention,
 }
-for _name, _fn in _EAGER.items():
-    _lib.impl(_name, _fn, "CompositeExplicitAutograd")
 
 
-# The fake (meta) implementations are the eager code run on fake tensors: shapes
-# and dtypes follow from the one definition, so the two cannot drift apart.
-# grouped_linear's eager code reads its offsets, which a fake tensor has not.
-for _name, _fn in _EAGER.items():
+# ---- the CPU implementations: the native op where its rules accept the call ----------
+# Each allocates its outputs contiguous (the fake implementation promises that
+# layout, which Inductor asserts on its extern kernels' outputs), runs the native
+# op through _C.run_op, and runs the reference where the native op rejects the
+# call (a float16 input, rows that are not contiguous). lower.py gives a plan's
+# steps the same native ops and slots.
+
+def _native(name: str, tensors: list, ip=(), fp=()) -> bool:
+    try:
+        _C.run_op(name, tensors, ip, fp)
+        return True
+    except _C.PlanError as e:  # the op's rules reject this call: the reference runs it
+        log.debug("kwker.%s runs its reference: %s", name, e)
+        return False
+
+
+def _contiguous(out):
+    if isinstance(out, (list, tuple)):
+        return type(out)(t.contiguous() for t in out)
+    return out.contiguous()
+
+
+def norm_flags(gemma: bool) -> list[int]:
+    """rms_norm's and add_rms_norm's int parameter."""
+    return [_P["NORM_GEMMA"] if gemma else 0]
+
+
+def _norm_dtype(x, weight, gemma):
+    return x.dtype if gemma else torch.promote_types(weight.dtype, x.dtype)
+
+
+def _cpu_rms_norm(x, weight, eps, gemma):
+    y = x.new_empty(x.shape, dtype=_norm_dtype(x, weight, gemma))
+    if _native("rms_norm", [y, x, weight], norm_flags(gemma), [eps]):
+        return y
+    return _contiguous(_rms_norm(x, weight, eps, gemma))
+
+
+def _cpu_add_rms_norm(x, y, weight, eps, gemma):
+    residual = x.new_empty(torch.broadcast_shapes(x.shape, y.shape), dtype=torch.promote_types(x.dtype, y.dtype))
+    normed = residual.new_empty(residual.shape, dtype=_norm_dtype(residual, weight, gemma))
+    if _native("add_rms_norm", [normed, residual, x, y, weight], norm_flags(gemma), [eps]):
+        return residual, normed
+    return _contiguous(_add_rms_norm(x, y, weight, eps, gemma))
+
+
+def _elementwise_out(*xs):
+    return xs[0].new_empty(torch.broadcast_shapes(*(x.shape for x in xs)),
+                           dtype=functools.reduce(torch.promote_types, (x.dtype for x in xs)))
+
+
+def _cpu_rotary(x, cos, sin):
+    y = _elementwise_out(x, cos, sin)
+    if _native("rotary", [y, x, cos, sin], [_P["ROPE_HALF"], 0]):
+        return y
+    return _contiguous(_rotary(x, cos, sin))
+
+
+def _cpu_silu_mul(gate, up):
+    y = _elementwise_out(gate, up)
+    if _native("silu_mul", [y, gate, up]):
+        return y
+    return _contiguous(_silu_mul(gate, up))
+
+
+# gelu's and gelu_mul's int parameter, by approximate=
+GELU_MODES = {"none": _P["GELU_ERF"], "tanh": _P["GELU_TANH"]}
+
+
+def _cpu_gelu_mul(gate, up, approximate):
+    y = _elementwise_out(gate, up)
+    if approximate in GELU_MODES and _native("gelu_mul", [y, gate, up], [GELU_MODES[approximate]]):
+        return y
+    return _contiguous(_gelu_mul(gate, up, approximate))
+
+
+def _cpu_linear(x, weight, bias):
+    """oneDNN's matmul from the rows where it measured faster (kwker.weights),
+    kwker's linear below them or where matmul_dnnl refuses the weight."""
+    y = x.new_empty((*x.shape[:-1], weight.shape[0]))
+    slots = [y, x, weight, bias]
+    if by_matmul(x.dtype, rows_per_call(x)) and _native("matmul_dnnl", slots) or _native("linear", slots):
+        return y
+    return _contiguous(_linear(x, weight, bias))
+
+
+# linear_multi's output slots (ops/linear.c)
+LINEAR_MULTI_OUTPUTS = 4
+
+
+def _cpu_linear_multi(x, weight, bias, sizes):
+    ys = [x.new_empty((*x.shape[:-1], n)) for n in sizes]
+    if len(ys) > LINEAR_MULTI_OUTPUTS:
+        log.debug("kwker.linear_multi runs its reference: %d outputs, the native op has %d", len(ys),
+                  LINEAR_MULTI_OUTPUTS)
+    elif _native("linear_multi", [*ys, *[None] * (LINEAR_MULTI_OUTPUTS - len(ys)), x, weight, bias]):
+        return ys
+    return _contiguous(_linear_multi(x, weight, bias, sizes))
+
+
+def _cpu_grouped_linear(x, weight, offs):
+    y = x.new_empty((x.shape[0], weight.shape[1]))
+    if _native("grouped_linear", [y, x, weight, offs]):
+        return y
+    return _contiguous(_grouped_linear(x, weight, offs))
+
+
+def _cpu_attention(q, k_cache, v_cache, mask, scale):
+    y = q.new_empty((*q.shape[:-1], v_cache.shape[-1]))
+    if _native("attention", [y, q, k_cache, v_cache, mask], (), [scale]):
+        return y
+    return _contiguous(_attention(q, k_cache, v_cache, mask, scale))
+
+
+_CPU = {
+    "rms_norm": _cpu_rms_norm,
+    "add_rms_norm": _cpu_add_rms_norm,
+    "rotary": _cpu_rotary,
+    "silu_mul": _cpu_silu_mul,
+    "gelu_mul": _cpu_gelu_mul,
+    "linear": _cpu_linear,
+    "linear_multi": _cpu_linear_multi,
+    "grouped_linear": _cpu_grouped_linear,
+    "attention": _cpu_attention,
+}
+for _name, _fn in _CPU.items():
+    _lib.impl(_name, _fn, "CPU")
+
+
+# The fake (meta) implementations are the reference run on fake tensors, its
+# outputs made contiguous as the CPU implementations' are: shapes and dtypes
+# follow from the one definition, so the two cannot drift apart.
+# grouped_linear's reference reads its offsets, which a fake tensor has not.
+for _name, _fn in REFERENCE.items():
     if _name != "grouped_linear":
-        torch.library.register_fake(f"kwker::{_name}", _fn, lib=_lib)
+        torch.library.register_fake(f"kwker::{_name}", lambda *args, _fn=_fn: _contiguous(_fn(*args)), lib=_lib)
 torch.library.register_fake("kwker::grouped_linear", lambda x, weight, offs: x.new_empty(x.shape[0], weight.shape[1]),
                             lib=_lib)
 

@@ -22,7 +22,7 @@ import torch
 from torch.fx import Node
 
 from kwker import _C
-from kwker.custom_ops import ops
+from kwker.custom_ops import GELU_MODES, LINEAR_MULTI_OUTPUTS, norm_flags, ops
 from kwker.rewrite.match import val
 from kwker.weights import CopiedWeight, by_matmul, rows_per_call
 
@@ -291,9 +291,9 @@ def _lower_linear(lw: _Lowering, node: Node):
 def _lower_linear_multi(lw: _Lowering, node: Node):
     x, w, bias, sizes = node.args
     outs = [lw.view(t) for t in val(node)]
-    if len(outs) > 4:
+    if len(outs) > LINEAR_MULTI_OUTPUTS:
         return False
-    outs += [None] * (4 - len(outs))
+    outs += [None] * (LINEAR_MULTI_OUTPUTS - len(outs))
     lw.op(node, "linear_multi", [*outs, lw.view(val(x)), lw.weight_view(w), lw.arg_view(bias)])
 
 
@@ -302,20 +302,16 @@ def _lower_grouped_linear(lw: _Lowering, node: Node):
     lw.op(node, "grouped_linear", [lw.view(val(node)), lw.view(val(x)), lw.weight_view(w), lw.view(val(offs))])
 
 
-def _norm_flags(gemma: bool) -> list[int]:
-    return [P["NORM_GEMMA"] if gemma else 0]
-
-
 def _lower_rms_norm(lw: _Lowering, node: Node):
     x, w, eps, gemma = node.args
-    lw.op(node, "rms_norm", [lw.view(val(node)), lw.view(val(x)), lw.view(val(w))], _norm_flags(gemma), [eps])
+    lw.op(node, "rms_norm", [lw.view(val(node)), lw.view(val(x)), lw.view(val(w))], norm_flags(gemma), [eps])
 
 
 def _lower_add_rms_norm(lw: _Lowering, node: Node):
     x, y, w, eps, gemma = node.args
     residual, normed = val(node)
     views = [lw.view(normed), lw.view(residual), lw.view(val(x)), lw.view(val(y)), lw.view(val(w))]
-    lw.op(node, "add_rms_norm", views, _norm_flags(gemma), [eps])
+    lw.op(node, "add_rms_norm", views, norm_flags(gemma), [eps])
 
 
 def _lower_rotary(lw: _Lowering, node: Node):
@@ -332,7 +328,7 @@ def _lower_silu_mul(lw: _Lowering, node: Node):
 def _lower_gelu_mul(lw: _Lowering, node: Node):
     gate, up, approximate = node.args
     views = [lw.view(val(node)), lw.view(val(gate)), lw.view(val(up))]
-    lw.op(node, "gelu_mul", views, [_GELU_MODES[approximate]])
+    lw.op(node, "gelu_mul", views, [GELU_MODES[approximate]])
 
 
 def _lower_attention(lw: _Lowering, node: Node):
@@ -557,12 +553,9 @@ def _unary(name):
     return lower
 
 
-_GELU_MODES = {"none": P["GELU_ERF"], "tanh": P["GELU_TANH"]}
-
-
 def _lower_gelu(lw: _Lowering, node: Node):
     approximate = node.kwargs.get("approximate", node.args[1] if len(node.args) > 1 else "none")
-    lw.op(node, "gelu", [lw.view(val(node)), lw.view(val(node.args[0]))], [_GELU_MODES[approximate]])
+    lw.op(node, "gelu", [lw.view(val(node)), lw.view(val(node.args[0]))], [GELU_MODES[approximate]])
 
 
 def _lower_copy(lw: _Lowering, node: Node):

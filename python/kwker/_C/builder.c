@@ -298,29 +298,15 @@ static int label_step(BuilderObject *self, int step, PyObject *label) {
 
 /* An op step's arguments as given to op() and check_op(). */
 typedef struct op_args {
-    int op, n_views, n_ip, n_fp;
+    kw__op_params p;
+    int n_views;
     int views[KW_CALL_MAX_TENSORS];
-    int64_t ip[KW_CALL_MAX_PARAMS];
-    double fp[KW_CALL_MAX_PARAMS];
 } op_args;
 
 static int parse_op_args(const char *name, PyObject *views_obj, PyObject *ip_obj, PyObject *fp_obj, op_args *a) {
-    if ((a->op = kw_op_find(name)) < 0) {
-        kw__plan_error(KW_EINVAL, "no kwker op named '%s' (kwker._C.op_names() lists them)", name);
-        return -1;
-    }
-    if ((a->n_views = parse_view_ids(views_obj, a->views, KW_CALL_MAX_TENSORS, 1, "op views")) < 0) return -1;
-    if ((a->n_ip = ip_obj ? kw__int64_seq(ip_obj, a->ip, KW_CALL_MAX_PARAMS, "ip") : 0) < 0) return -1;
-    a->n_fp = 0;
-    if (!fp_obj) return 0;
-    PyObject *fast = PySequence_Fast(fp_obj, "fp");
-    if (!fast) return -1;
-    a->n_fp = (int)PySequence_Fast_GET_SIZE(fast);
-    if (a->n_fp > KW_CALL_MAX_PARAMS) a->n_fp = -1, PyErr_SetString(PyExc_ValueError, "fp: at most 8 values");
-    for (int i = 0; i < a->n_fp; i++)
-        if ((a->fp[i] = PyFloat_AsDouble(PySequence_Fast_GET_ITEM(fast, i))) == -1.0 && PyErr_Occurred()) a->n_fp = -1;
-    Py_DECREF(fast);
-    return a->n_fp < 0 ? -1 : 0;
+    if (kw__parse_op_params(name, ip_obj, fp_obj, &a->p)) return -1;
+    a->n_views = parse_view_ids(views_obj, a->views, KW_CALL_MAX_TENSORS, 1, "op views");
+    return a->n_views < 0 ? -1 : 0;
 }
 
 static PyObject *builder_op(PyObject *self_, PyObject *args, PyObject *kw) {
@@ -333,7 +319,7 @@ static PyObject *builder_op(PyObject *self_, PyObject *args, PyObject *kw) {
         !PyArg_ParseTupleAndKeywords(args, kw, "sO|OO$O:op", names, &name, &views_obj, &ip_obj, &fp_obj, &label) ||
         parse_op_args(name, views_obj, ip_obj, fp_obj, &a))
         return NULL;
-    const int step = kw_builder_op(self->b, a.op, a.views, a.n_views, a.ip, a.n_ip, a.fp, a.n_fp);
+    const int step = kw_builder_op(self->b, a.p.op, a.views, a.n_views, a.p.ip, a.p.n_ip, a.p.fp, a.p.n_fp);
     if (step < 0) return fail(self, step), NULL;
     if (label_step(self, step, label)) return NULL;
     return PyLong_FromLong(step);
@@ -349,7 +335,7 @@ static PyObject *builder_check_op(PyObject *self_, PyObject *args, PyObject *kw)
         parse_op_args(name, views_obj, ip_obj, fp_obj, &a))
         return NULL;
     char msg[512];
-    if (!kw_builder_check_op(self->b, a.op, a.views, a.n_views, a.ip, a.n_ip, a.fp, a.n_fp, msg, sizeof msg))
+    if (!kw_builder_check_op(self->b, a.p.op, a.views, a.n_views, a.p.ip, a.p.n_ip, a.p.fp, a.p.n_fp, msg, sizeof msg))
         Py_RETURN_NONE;
     return PyUnicode_FromString(msg);
 }

@@ -136,4 +136,27 @@ int kw__fallback_call(void *user, kw_tensor *views, int n);
 /* Takes the builder's plan and program (both owned by the result from then on). */
 PyObject *kw__plan_new(kw_plan *plan, kw__program *prog, int n_threads);
 
+/* The pool of n_threads threads, one per count and process, made on first use
+ * (NULL with MemoryError); with the GIL held. */
+kw_pool *kw__pool_get(int n_threads);
+/* 1 while a plan replays on this thread (its fallbacks run here): its pool is busy. */
+int kw__replaying(void);
+/* IndexError for a kernel's index out of range, in PyTorch's words for the op;
+ * `where` says which call. Returns NULL. */
+PyObject *kw__index_error(const char *op, int64_t index, int64_t size, const char *where);
+
+/* ---- an op's name and parameters, as PlanBuilder.op and run_op take them ---------- */
+typedef struct kw__op_params {
+    int op, n_ip, n_fp;
+    int64_t ip[KW_CALL_MAX_PARAMS];
+    double fp[KW_CALL_MAX_PARAMS];
+} kw__op_params;
+
+/* The op named `name` and the int (ip_obj) and float (fp_obj) parameter
+ * sequences, either NULL for none; 0, or -1 with an exception. */
+int kw__parse_op_params(const char *name, PyObject *ip_obj, PyObject *fp_obj, kw__op_params *p);
+
+/* kwker._C.run_op (call.c). */
+PyObject *kw__run_op(PyObject *self, PyObject *args, PyObject *kw);
+
 #endif

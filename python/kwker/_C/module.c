@@ -142,6 +142,11 @@ static PyMethodDef module_methods[] = {
     {"bf16_exact", bf16_exact, METH_O,
      "bf16_exact(t) -> bool: every value of the contiguous float32 CPU tensor t is exactly a bfloat16\n"
      "value and none is NaN, so t.to(torch.bfloat16) loses nothing."},
+    {"run_op", (PyCFunction)(void (*)(void))kw__run_op, METH_VARARGS | METH_KEYWORDS,
+     "run_op(name, tensors, ip=(), fp=()) -> None: runs the native op `name` once on these tensors (its\n"
+     "slots in order, None for an absent optional one; outputs written in place) and int and float\n"
+     "parameters, on torch.get_num_threads() threads. The op's rules are checked first: PlanError\n"
+     "(.code, the op's message) when it rejects the call, IndexError for an index out of range in the data."},
     {NULL, NULL, 0, NULL},
 };
 

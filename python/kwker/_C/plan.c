@@ -83,6 +83,8 @@ typedef struct PlanObject {
  * plan called from a fallback is refused (its pool would wait on itself). */
 static _Thread_local PlanObject *replaying;
 
+int kw__replaying(void) { return replaying != NULL; }
+
 /* ---- pools ------------------------------------------------------------------------- */
 
 #define MAX_POOL 1024
@@ -91,7 +93,7 @@ static kw_pool *pools[MAX_POOL + 1];
 static void forget_pools(void) { memset(pools, 0, sizeof pools); }
 
 /* Called with the GIL held, which is what makes the table safe. */
-static kw_pool *pool_get(int n_threads) {
+kw_pool *kw__pool_get(int n_threads) {
     static int atfork_registered;
     if (!atfork_registered) {
         pthread_atfork(NULL, NULL, forget_pools);
@@ -275,7 +277,7 @@ static int sources_changed(kw__state *s, PyObject *const *args) {
         if (changed) return changed;
         if (w->watch && kw__watch_memory(w->watch)) m.w[m.n++] = kw__watch_memory(w->watch);
     }
-    kw_pool *pool = pool_get(s->n_threads);
+    kw_pool *pool = kw__pool_get(s->n_threads);
     if (!pool) return -1;
     Py_BEGIN_ALLOW_THREADS
     kw_pool_run(pool, check_memories, &m);
@@ -392,23 +394,29 @@ static PyObject *make_returns(PlanObject *p) {
 }
 
 /* An index out of range raises IndexError, with PyTorch's words for the op. */
+PyObject *kw__index_error(const char *op, int64_t index, int64_t size, const char *where) {
+    if (op && !strcmp(op, "kv_write"))
+        return PyErr_Format(PyExc_IndexError,
+                            "index_copy_(): index %lld is out of bounds for dimension 2 with size %lld (%s: the cache "
+                            "position is outside the static cache; the call ran to its end)",
+                            (long long)index, (long long)size, where);
+    if (op && !strcmp(op, "grouped_linear"))
+        return PyErr_Format(PyExc_IndexError,
+                            "grouped_linear: the experts' offsets must rise to at most the %lld rows of x, got %lld "
+                            "after a larger one or past them (%s; nothing was computed)",
+                            (long long)size - 1, (long long)index, where);
+    return PyErr_Format(PyExc_IndexError, "index out of range in self: index %lld for size %lld (%s %s)",
+                        (long long)index, (long long)size, where, op ? op : "?");
+}
+
 static PyObject *index_error(kw_plan *plan) {
     int step = -1;
     int64_t index, size;
     kw_plan_fault(plan, &step, &index, &size);
-    const char *op = kw_plan_step_name(plan, step), *label = kw_plan_step_label(plan, step);
-    if (op && !strcmp(op, "kv_write"))
-        return PyErr_Format(PyExc_IndexError,
-                            "index_copy_(): index %lld is out of bounds for dimension 2 with size %lld (kwker step "
-                            "'%s': the cache position is outside the static cache; the call ran to its end)",
-                            (long long)index, (long long)size, label);
-    if (op && !strcmp(op, "grouped_linear"))
-        return PyErr_Format(PyExc_IndexError,
-                            "grouped_linear: the experts' offsets must rise to at most the %lld rows of x, got %lld "
-                            "after a larger one or past them (kwker step '%s'; nothing was computed)",
-                            (long long)size - 1, (long long)index, label);
-    return PyErr_Format(PyExc_IndexError, "index out of range in self: index %lld for size %lld (kwker step %s '%s')",
-                        (long long)index, (long long)size, op ? op : "?", label ? label : "");
+    const char *label = kw_plan_step_label(plan, step);
+    char where[256];
+    snprintf(where, sizeof where, "kwker step '%s'", label ? label : "");
+    return kw__index_error(kw_plan_step_name(plan, step), index, size, where);
 }
 
 static PyObject *replay_failed(PlanObject *p, int rc) {
@@ -445,7 +453,7 @@ static PyObject *call_locked(PlanObject *p, PyObject *const *args, Py_ssize_t na
     for (int i = 0; i < prog->n_inputs; i++)
         if (bind_input(s, &prog->inputs[i], args[prog->inputs[i].arg])) return NULL;
     const int64_t t_inputs = now_ns();
-    kw_pool *pool = pool_get(s->n_threads);
+    kw_pool *pool = kw__pool_get(s->n_threads);
     if (!pool || make_outputs(s)) {
         drop_fresh(s);
         return NULL;
@@ -606,7 +614,7 @@ static int prepare(kw__state *s) {
             if (plan_view(s, prog->fallbacks[f].views[e])) return -1;
     for (int r = 0; r < prog->n_returns; r++)
         if (plan_view(s, prog->returns[r])) return -1;
-    return pool_get(s->n_threads) ? 0 : -1;
+    return kw__pool_get(s->n_threads) ? 0 : -1;
 }
 
 PyObject *kw__plan_new(kw_plan *plan, kw__program *prog, int n_threads) {

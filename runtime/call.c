@@ -1,0 +1,70 @@
+#include "kw_call.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct {
+    kw_kernel_fn kernel;
+    const kw_call *c;
+} task;
+
+static void run_task(void *arg, int ith, int nth) {
+    const task *t = arg;
+    t->kernel(t->c, ith, nth);
+}
+
+static int check_args(const kw_op_info *info, const kw_call *c, int n_ip, int n_fp, char *msg, size_t len) {
+    if (n_ip != info->n_ip || n_fp != info->n_fp) {
+        snprintf(msg, len, "%s: takes %d int and %d float parameters, got %d and %d", info->name, info->n_ip, info->n_fp,
+                 n_ip, n_fp);
+        return KW_EINVAL;
+    }
+    for (int k = 0; k < info->n_tensors; k++) {
+        if (!c->t[k].data && !info->arg[k].optional) {
+            snprintf(msg, len, "%s: tensor '%s' is required", info->name, info->arg[k].name);
+            return KW_EINVAL;
+        }
+    }
+    return 0;
+}
+
+int kw_call_run(kw_op_id id, kw_call *c, int n_ip, int n_fp, kw_isa isa, kw_pool *pool, kw_fault *fault, char *msg,
+                size_t len) {
+    const kw_op_info *info = kw_op_get(id);
+    if (msg && len) msg[0] = '\0';
+    if (!info) return KW_EINVAL;
+    int rc = check_args(info, c, n_ip, n_fp, msg, len);
+    if (rc) return rc;
+    void *prep = malloc(kw_op_prep_size(id));
+    if (!prep) return KW_ENOMEM;
+    rc = kw_op_prepare(id, c, isa, prep, msg, len);
+    if (rc) {
+        free(prep);
+        return rc < 0 ? rc : KW_EINVAL;
+    }
+    const int nth = pool ? kw_pool_size(pool) : 1;
+    const size_t stride = info->work_size ? (info->work_size(prep) + 63) / 64 * 64 : 0;
+    void *work = stride ? aligned_alloc(64, stride * (size_t)nth) : NULL;
+    _Alignas(64) unsigned char share[KW_SHARE_BYTES] = {0};
+    if (stride && !work) {
+        rc = KW_ENOMEM;
+    } else {
+        memset(fault, 0, sizeof *fault);
+        c->work = work;
+        c->work_stride = stride;
+        c->share = info->shares_work ? share : NULL;
+        c->fault = fault;
+        task t = {info->kernel, c};
+        if (pool)
+            kw_pool_run(pool, run_task, &t);
+        else
+            run_task(&t, 0, 1);
+        rc = atomic_load(&fault->reported) ? KW_EINDEX : 0;
+    }
+    free(work);
+    if (info->release) info->release(prep);
+    free(prep);
+    c->prep = NULL;
+    return rc;
+}

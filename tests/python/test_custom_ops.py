@@ -1,0 +1,137 @@
+"""torch.ops.kwker on CPU tensors runs the native ops (kwker._C.run_op): equal
+to each op's PyTorch reference eagerly, inside an Inductor-compiled graph and
+inside a plan's fallback step; a call the native op rejects runs the reference."""
+
+import pytest
+import torch
+
+from kwker import _C, custom_ops
+from kwker.custom_ops import REFERENCE, ops
+
+F32, BF16 = torch.float32, torch.bfloat16
+
+
+def _rand(*shape, dtype=F32, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed + len(shape))).to(dtype)
+
+
+def _cases(dtype):
+    """(op name, args) for every kwker op, in shapes each native op accepts."""
+    r = lambda *s, seed=0, dt=dtype: _rand(*s, dtype=dt, seed=seed)  # noqa: E731
+    rows = 6 if dtype == F32 else 20  # oneDNN's matmul from 4 rows in float32, 16 in bfloat16 (kwker.weights)
+    return [
+        ("rms_norm", (r(2, 5, 64), r(64, seed=1), 1e-6, False)),
+        ("rms_norm", (r(3, 64), r(64, seed=1), 1e-5, True)),
+        ("add_rms_norm", (r(2, 3, 64), r(2, 3, 64, seed=2), r(64, seed=1), 1e-6, False)),
+        ("rotary", (r(1, 4, 5, 32), r(1, 1, 5, 32, seed=1), r(1, 1, 5, 32, seed=2))),
+        ("silu_mul", (r(3, 7, 48), r(3, 7, 48, seed=1))),
+        ("gelu_mul", (r(3, 40), r(3, 40, seed=1), "tanh")),
+        ("gelu_mul", (r(3, 40), r(3, 40, seed=1), "none")),
+        ("linear", (r(1, 1, 64), r(40, 64, seed=1), r(40, seed=2))),
+        ("linear", (r(2, rows, 64), r(40, 64, seed=1), None)),
+        ("linear", (r(2, rows, 64), r(40, 64, seed=1), r(40, seed=2))),
+        ("linear", (r(1, 3, 64, dt=F32), r(40, 64, seed=1, dt=BF16), None)),  # bf16 weights under f32 x
+        ("linear_multi", (r(1, 2, 64), r(48, 64, seed=1), r(48, seed=2), [16, 24, 8])),
+        ("grouped_linear", (r(10, 32), r(3, 24, 32, seed=1), torch.tensor([3, 7, 9]))),
+        ("attention", (r(1, 4, 1, 32), r(1, 2, 16, 32, seed=1), r(1, 2, 16, 32, seed=2),
+                       torch.arange(16).view(1, 1, 1, 16) < 11, 32 ** -0.5)),
+        ("attention", (r(1, 4, 3, 32), r(1, 2, 16, 32, seed=1), r(1, 2, 16, 32, seed=2),
+                       torch.zeros(1, 1, 3, 16, dtype=dtype).masked_fill(torch.arange(16) > 12, -torch.inf), 0.2)),
+    ]
+
+
+def _ids(cases):
+    return [f"{name}-{i}" for i, (name, _) in enumerate(cases)]
+
+
+def _assert_equal(got, want, dtype):
+    got, want = (list(x) if isinstance(x, (list, tuple)) else [x] for x in (got, want))
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        assert g.is_contiguous()
+        tol = dict(rtol=1e-5, atol=1e-5) if dtype == F32 else dict(rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(g, w, **tol)
+
+
+@pytest.fixture
+def refused(monkeypatch):
+    """The native ops that refused a call (its reference ran instead), by name."""
+    names = []
+    native = custom_ops._native
+
+    def recording(name, *args):
+        ran = native(name, *args)
+        if not ran:
+            names.append(name)
+        return ran
+
+    monkeypatch.setattr(custom_ops, "_native", recording)
+    return names
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_each_op_runs_its_native_op_and_equals_its_reference_eagerly(dtype, refused):
+    for name, args in _cases(dtype):
+        _assert_equal(getattr(ops, name)(*args), REFERENCE[name](*args), dtype)
+    assert refused == []
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_each_op_runs_its_native_op_inside_an_inductor_graph(dtype, refused):
+    for name, args in _cases(dtype):
+        torch._dynamo.reset()  # `graph` is one code object: a recompile per case would reach Dynamo's limit
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        rest = [a for a in args if not isinstance(a, torch.Tensor)]
+
+        def graph(*ts, name=name, args=args, rest=rest):
+            it, it_rest = iter(ts), iter(rest)
+            full = [next(it) if isinstance(a, torch.Tensor) else next(it_rest) for a in args]
+            out = getattr(ops, name)(*full)
+            return [o * 2 for o in out] if isinstance(out, (list, tuple)) else out * 2  # an Inductor kernel after it
+
+        compiled = torch.compile(graph, backend="inductor", fullgraph=True)
+        want = REFERENCE[name](*args)
+        want = [w * 2 for w in want] if isinstance(want, (list, tuple)) else want * 2
+        _assert_equal(compiled(*tensors), want, dtype)
+    assert refused == []
+
+
+def test_a_call_the_native_op_rejects_runs_the_reference(refused):
+    x, w = _rand(3, 64, dtype=torch.float16), _rand(64, dtype=torch.float16, seed=1)
+    torch.testing.assert_close(ops.rms_norm(x, w, 1e-6, False), REFERENCE["rms_norm"](x, w, 1e-6, False))
+    x = _rand(64, 3).t()  # rows that are not contiguous
+    w = _rand(40, 64, seed=1)
+    y = ops.linear(x, w, None)
+    assert y.is_contiguous()
+    torch.testing.assert_close(y, x @ w.t())
+    assert refused == ["rms_norm", "linear"]
+    ys = ops.linear_multi(_rand(2, 64), _rand(50, 64, seed=1), None, [10] * 5)  # more outputs than its slots
+    assert all(y.is_contiguous() for y in ys)
+    torch.testing.assert_close(torch.cat(ys, -1), REFERENCE["linear"](_rand(2, 64), _rand(50, 64, seed=1), None))
+
+
+def test_an_op_inside_a_plans_fallback_runs_on_that_thread():
+    """The plan's pool is busy with the plan: the op runs on the calling thread alone."""
+    x, w = _rand(4, 64), _rand(64, seed=1)
+    b = _C.PlanBuilder()
+    xb = b.input("x", F32, (4, 64))
+    out = b.output_buffer("out", F32, (4, 64))
+    views = [b.view(buf, F32, (4, 64), None, 0) for buf in (xb, out)]
+    b.fallback(lambda reads, writes: writes[0].copy_(ops.rms_norm(reads[0], w, 1e-6, False)), views[:1], views[1:])
+    b.output(views[1])
+    plan = b.finish(2)
+    (y,) = plan(x)
+    torch.testing.assert_close(y, REFERENCE["rms_norm"](x, w, 1e-6, False), rtol=1e-5, atol=1e-5)
+
+
+def test_run_op_checks_its_arguments():
+    x, y = _rand(3, 64), torch.empty(3, 64)
+    with pytest.raises(_C.PlanError, match="takes 1 int and 1 float parameters, got 1 and 0"):
+        _C.run_op("rms_norm", [y, x, _rand(64)], [0])
+    with pytest.raises(_C.PlanError, match="tensor 'x' is required"):
+        _C.run_op("rms_norm", [y, None, _rand(64)], [0], [1e-6])
+    with pytest.raises(_C.PlanError, match="no kwker op named 'nope'"):
+        _C.run_op("nope", [])
+    with pytest.raises(IndexError, match="grouped_linear: the experts' offsets"):
+        _C.run_op("grouped_linear", [torch.empty(10, 24), _rand(10, 32), _rand(3, 24, 32), torch.tensor([3, 12, 9])])
