@@ -84,7 +84,7 @@ run_tests() {
     step "Python tests (pytest)"
     "$PY" -m pytest -q tests/python
 
-    step "Python tests of plans, threads and watches, with kwker._C under ASan+UBSan"
+    step "Python tests of plans, threads, watches and kwker's ops, with kwker._C under ASan+UBSan"
     cmake_build build/py-asan -DKW_PYTHON=ON -DKW_SANITIZE=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo \
         -DPython_EXECUTABLE="$PY"
     # The sanitizer runtime first, and libstdc++ before it is needed: PyTorch
@@ -93,7 +93,7 @@ run_tests() {
         ASAN_OPTIONS=detect_leaks=0:alloc_dealloc_mismatch=0 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
         "$PY" scripts/sanitized_pytest.py "$(find build/py-asan -name '_C.*.so' | head -n 1)" -q -p no:logging \
         tests/python/test_plan.py tests/python/test_reliability.py tests/python/test_decode_step.py \
-        tests/python/test_steps.py
+        tests/python/test_steps.py tests/python/test_custom_ops.py
 }
 
 cmd=${1:-}
