@@ -14,6 +14,18 @@ static void run_task(void *arg, int ith, int nth) {
     t->kernel(t->c, ith, nth);
 }
 
+/* The elements of every tensor of the call, in bytes: how much work it is. */
+static size_t call_bytes(const kw_op_info *info, const kw_call *c) {
+    size_t bytes = 0;
+    for (int k = 0; k < info->n_tensors; k++) {
+        if (!c->t[k].data) continue;
+        size_t n = kw_dtype_size(c->t[k].dtype);
+        for (int d = 0; d < c->t[k].ndim; d++) n *= (size_t)c->t[k].shape[d];
+        bytes += n;
+    }
+    return bytes;
+}
+
 static int check_args(const kw_op_info *info, const kw_call *c, int n_ip, int n_fp, char *msg, size_t len) {
     if (n_ip != info->n_ip || n_fp != info->n_fp) {
         snprintf(msg, len, "%s: takes %d int and %d float parameters, got %d and %d", info->name, info->n_ip, info->n_fp,
@@ -43,6 +55,7 @@ int kw_call_run(kw_op_id id, kw_call *c, int n_ip, int n_fp, kw_isa isa, kw_pool
         free(prep);
         return rc < 0 ? rc : KW_EINVAL;
     }
+    if (call_bytes(info, c) < KW_CALL_INLINE_BYTES) pool = NULL;
     const int nth = pool ? kw_pool_size(pool) : 1;
     const size_t stride = info->work_size ? (info->work_size(prep) + 63) / 64 * 64 : 0;
     void *work = stride ? aligned_alloc(64, stride * (size_t)nth) : NULL;

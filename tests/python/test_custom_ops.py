@@ -16,7 +16,9 @@ def _rand(*shape, dtype=F32, seed=0):
 
 
 def _cases(dtype):
-    """(op name, args) for every kwker op, in shapes each native op accepts."""
+    """(op name, args) for every kwker op, in shapes each native op accepts; the
+    last two big enough to run on kwker's pool (runtime/kw_call.h), the rest on
+    the calling thread."""
     r = lambda *s, seed=0, dt=dtype: _rand(*s, dtype=dt, seed=seed)  # noqa: E731
     rows = 6 if dtype == F32 else 20  # oneDNN's matmul from 4 rows in float32, 16 in bfloat16 (kwker.weights)
     return [
@@ -37,6 +39,8 @@ def _cases(dtype):
                        torch.arange(16).view(1, 1, 1, 16) < 11, 32 ** -0.5)),
         ("attention", (r(1, 4, 3, 32), r(1, 2, 16, 32, seed=1), r(1, 2, 16, 32, seed=2),
                        torch.zeros(1, 1, 3, 16, dtype=dtype).masked_fill(torch.arange(16) > 12, -torch.inf), 0.2)),
+        ("rms_norm", (r(96, 512), r(512, seed=1), 1e-6, False)),
+        ("linear", (r(rows, 256), r(256, 256, seed=1), r(256, seed=2))),
     ]
 
 
