@@ -72,6 +72,10 @@ typedef struct kw_tensor {
  * it is not contiguous. */
 int kw_tensor_bf16_exact(const kw_tensor *t);
 
+/* Bytes from t's first element to past its last (0 when empty); strides must not
+ * be negative. -1 when they are, or on overflow. */
+int64_t kw_tensor_extent(const kw_tensor *t);
+
 /* An index a kernel found out of range in its data (a cache position, a token
  * id), which PyTorch would raise an IndexError for. A kernel cannot raise: it
  * skips that row (nothing is read or written out of bounds) and reports it

@@ -37,6 +37,18 @@ int kw_tensor_bf16_exact(const kw_tensor *t) {
     return !low && !nan;
 }
 
+int64_t kw_tensor_extent(const kw_tensor *t) {
+    int64_t last = 0, span;
+    for (int d = 0; d < t->ndim; d++)
+        if (t->shape[d] == 0) return 0;
+    for (int d = 0; d < t->ndim; d++)
+        if (t->stride[d] < 0 || __builtin_mul_overflow(t->shape[d] - 1, t->stride[d], &span) ||
+            __builtin_add_overflow(last, span, &last))
+            return -1;
+    if (__builtin_mul_overflow(last + 1, (int64_t)kw_dtype_size(t->dtype), &last)) return -1;
+    return last;
+}
+
 const char *kw_strerror(int err) {
     switch (err) {
     case KW_OK:

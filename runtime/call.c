@@ -26,6 +26,33 @@ static size_t call_bytes(const kw_op_info *info, const kw_call *c) {
     return bytes;
 }
 
+static int same_layout(const kw_tensor *a, const kw_tensor *b) {
+    if (a->data != b->data || a->dtype != b->dtype || a->ndim != b->ndim) return 0;
+    for (int d = 0; d < a->ndim; d++)
+        if (a->shape[d] != b->shape[d] || a->stride[d] != b->stride[d]) return 0;
+    return 1;
+}
+
+/* As capture checks a plan's steps: a written tensor may be another of the call
+ * (an update in place) but never partly overlap one, or threads would race. */
+static int check_aliasing(const kw_op_info *info, const kw_call *c, char *msg, size_t len) {
+    for (int k = 0; k < info->n_tensors; k++) {
+        if (!c->t[k].data || info->arg[k].access == KW_READ) continue;
+        const char *w = c->t[k].data;
+        const int64_t w_bytes = kw_tensor_extent(&c->t[k]);
+        for (int j = 0; j < info->n_tensors; j++) {
+            if (j == k || !c->t[j].data || same_layout(&c->t[k], &c->t[j])) continue;
+            const char *o = c->t[j].data;
+            if (w < o + kw_tensor_extent(&c->t[j]) && o < w + w_bytes) {
+                snprintf(msg, len, "%s: %s (written) partly overlaps %s", info->name, info->arg[k].name,
+                         info->arg[j].name);
+                return KW_EALIAS;
+            }
+        }
+    }
+    return 0;
+}
+
 static int check_args(const kw_op_info *info, const kw_call *c, int n_ip, int n_fp, char *msg, size_t len) {
     if (n_ip != info->n_ip || n_fp != info->n_fp) {
         snprintf(msg, len, "%s: takes %d int and %d float parameters, got %d and %d", info->name, info->n_ip, info->n_fp,
@@ -37,8 +64,13 @@ static int check_args(const kw_op_info *info, const kw_call *c, int n_ip, int n_
             snprintf(msg, len, "%s: tensor '%s' is required", info->name, info->arg[k].name);
             return KW_EINVAL;
         }
+        if (c->t[k].data && kw_tensor_extent(&c->t[k]) < 0) {
+            snprintf(msg, len, "%s: tensor '%s' has a negative stride or a size that overflows", info->name,
+                     info->arg[k].name);
+            return KW_EINVAL;
+        }
     }
-    return 0;
+    return check_aliasing(info, c, msg, len);
 }
 
 int kw_call_run(kw_op_id id, kw_call *c, int n_ip, int n_fp, kw_isa isa, kw_pool *pool, kw_fault *fault, char *msg,

@@ -137,5 +137,13 @@ def test_run_op_checks_its_arguments():
         _C.run_op("rms_norm", [y, None, _rand(64)], [0], [1e-6])
     with pytest.raises(_C.PlanError, match="no kwker op named 'nope'"):
         _C.run_op("nope", [])
+    buf = torch.randn(2, 64)
+    with pytest.raises(_C.PlanError, match="silu_mul: y \\(written\\) partly overlaps gate") as e:
+        _C.run_op("silu_mul", [buf[:, 1:], buf[:, :-1], _rand(2, 63)])
+    assert e.value.code == _C.EALIAS
+    gate, up = _rand(2, 64), _rand(2, 64, seed=1)
+    want = REFERENCE["silu_mul"](gate, up)
+    _C.run_op("silu_mul", [gate, gate, up])  # in place over gate, the very tensor: allowed
+    torch.testing.assert_close(gate, want, rtol=1e-5, atol=1e-6)
     with pytest.raises(IndexError, match="grouped_linear: the experts' offsets"):
         _C.run_op("grouped_linear", [torch.empty(10, 24), _rand(10, 32), _rand(3, 24, 32), torch.tensor([3, 12, 9])])

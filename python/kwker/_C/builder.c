@@ -110,7 +110,7 @@ static int64_t layout_bytes(const kw_tensor *t, const char *name) {
             PyErr_Format(PyExc_ValueError, "'%s': negative size in dim %d", name, d);
             return -1;
         }
-    const int64_t n = kw__layout_extent(t);
+    const int64_t n = kw_tensor_extent(t);
     if (n < 0) PyErr_Format(PyExc_ValueError, "'%s': negative strides or a size that overflows", name);
     return n;
 }
@@ -349,7 +349,7 @@ static int check_torch_view(BuilderObject *self, int view, const char *what) {
         PyErr_Format(PyExc_ValueError, "%s: no view %d", what, view);
         return -1;
     }
-    if (kw__layout_extent(&layout) < 0) {
+    if (kw_tensor_extent(&layout) < 0) {
         PyErr_Format(PyExc_ValueError, "%s: view %d has negative strides, which torch tensors cannot have", what,
                      view);
         return -1;

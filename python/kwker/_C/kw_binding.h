@@ -52,10 +52,6 @@ int kw__tensor_read_quick(PyObject *t, kw_tensor *out);
  * tensor. Any object may be given: only tensors are followed. */
 void kw__tensor_prefetch(PyObject *t, int round);
 
-/* Bytes from a layout's first element to past its last (0 when empty); strides
- * must not be negative. -1 on overflow. */
-int64_t kw__layout_extent(const kw_tensor *t);
-
 /* A torch tensor over t->data with t's layout, keeping `owner` alive (and with
  * it the memory) for as long as the tensor lives. */
 PyObject *kw__tensor_over(PyObject *owner, const kw_tensor *t);

@@ -96,7 +96,7 @@ static PyObject *weight_reserve(PyObject *self, PyObject *arg) {
 static PyObject *prefer_huge_pages(PyObject *self, PyObject *arg) {
     kw_tensor t;
     if (kw__torch_init() || kw__tensor_read(arg, "prefer_huge_pages' argument", &t)) return NULL;
-    const int64_t extent = kw__layout_extent(&t);
+    const int64_t extent = kw_tensor_extent(&t);
     size_t done = 0;
     if (extent > 0) {
         Py_BEGIN_ALLOW_THREADS

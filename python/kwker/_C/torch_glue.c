@@ -318,18 +318,6 @@ void kw__tensor_prefetch(PyObject *t, int round) {
     }
 }
 
-int64_t kw__layout_extent(const kw_tensor *t) {
-    int64_t last = 0, span;
-    for (int d = 0; d < t->ndim; d++)
-        if (t->shape[d] == 0) return 0;
-    for (int d = 0; d < t->ndim; d++)
-        if (t->stride[d] < 0 || __builtin_mul_overflow(t->shape[d] - 1, t->stride[d], &span) ||
-            __builtin_add_overflow(last, span, &last))
-            return -1;
-    if (__builtin_mul_overflow(last + 1, (int64_t)kw_dtype_size(t->dtype), &last)) return -1;
-    return last;
-}
-
 /* ---- memory exported to torch.frombuffer ----------------------------------------- */
 
 typedef struct MemoryObject {
@@ -462,7 +450,7 @@ static PyObject *empty_like_layout(const kw_tensor *t) {
 }
 
 PyObject *kw__tensor_over(PyObject *owner, const kw_tensor *t) {
-    const int64_t extent = kw__layout_extent(t);
+    const int64_t extent = kw_tensor_extent(t);
     if (extent < 0) return kw__plan_error(KW_EINVAL, "a view with negative strides cannot be a torch tensor");
     if (extent == 0) return empty_like_layout(t);
     PyObject *mem = kw__memory_new(owner, t->data, (Py_ssize_t)extent, NULL);

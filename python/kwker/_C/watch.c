@@ -57,7 +57,7 @@ static PyObject *watch_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     if (!PyArg_ParseTupleAndKeywords(args, kw, "O:Watch", names, &tensor) || kw__torch_init()) return NULL;
     kw_tensor t;
     if (kw__tensor_read(tensor, "Watch's tensor", &t)) return NULL;
-    const int64_t extent = kw__layout_extent(&t);
+    const int64_t extent = kw_tensor_extent(&t);
     if (extent < 0) return PyErr_Format(PyExc_ValueError, "Watch: the tensor has negative strides");
     WatchObject *self = (WatchObject *)type->tp_alloc(type, 0);
     if (!self) return NULL;
