@@ -131,6 +131,16 @@ class _Lowering:
             _C.prefer_huge_pages(self.example_inputs[self.placeholder_index[w]])
         return self.view(val(w))
 
+    def contiguous_copy(self, node: Node, t: torch.Tensor) -> int:
+        """A view of t's values copied by a native step into a contiguous arena
+        buffer of their own, for a kernel that reads contiguous rows of a value
+        laid out otherwise (Whisper's residual stream is the transpose of its
+        convolution's output, as eager lays it out)."""
+        buf = self.b.arena(t.numel() * t.element_size(), f"{node.name}.contiguous")
+        copy = self.b.view(buf, t.dtype, tuple(t.shape), None, 0)
+        self.op(node, "convert", [copy, self.view(t)])
+        return copy
+
     # ---- steps --------------------------------------------------------------------
 
     def op(self, node: Node, name: str, views, ip=(), fp=()):
@@ -344,6 +354,8 @@ def _lower_layer_norm(lw: _Lowering, node: Node):
     if list(shape) != [val(x).shape[-1]] or any(u.args[1] != 0 for u in node.users):
         return False
     views = [lw.view(out), lw.view(val(x)), lw.arg_view(weight), lw.arg_view(bias)]
+    if not val(x).is_contiguous() and lw.b.check_op("layer_norm", views, [], [eps]) is not None:
+        views[1] = lw.contiguous_copy(node, val(x))  # 2 MB copied, against PyTorch's layer norm as a fallback
     lw.op(node, "layer_norm", views, [], [eps])
 
 

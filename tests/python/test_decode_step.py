@@ -315,6 +315,30 @@ def test_an_intermediate_written_in_place_is_made_again_by_every_replay_and_a_co
         lower_to_plan(trace_to_aten(_ScratchWrite(False), [x, pos]), [x, pos], [])
 
 
+class _TransposedNorm(torch.nn.Module):
+    """Whisper's encoder's start: a convolution's output transposed, plus
+    positions (eager keeps the transposed layout), then a layer norm."""
+
+    def forward(self, x, pos, conv_weight, norm_weight):
+        y = torch.nn.functional.conv1d(x, conv_weight, padding=1).transpose(1, 2) + pos
+        return torch.nn.functional.layer_norm(y, (y.shape[-1],), norm_weight)
+
+
+def test_a_layer_norm_of_a_transposed_value_is_native_over_a_contiguous_copy():
+    from kwker.aten_graph import trace_to_aten
+    from kwker.lower import lower_to_plan
+
+    inputs = [torch.randn(1, 4, 10), torch.randn(10, 16), torch.randn(16, 4, 3), torch.randn(16)]
+    x, pos, conv_weight, _ = inputs
+    assert not (torch.nn.functional.conv1d(x, conv_weight, padding=1).transpose(1, 2) + pos).is_contiguous()
+    gm = trace_to_aten(_TransposedNorm(), inputs)
+    gm.graph.eliminate_dead_code()  # the norm's mean and rstd, unread (compile_plan's rewrites do this)
+    plan, report = lower_to_plan(gm, inputs, [])
+    assert report.fallback_ops == ["aten.convolution.default"], report.fallback_ops
+    (out,) = plan(*inputs)
+    torch.testing.assert_close(out, _TransposedNorm()(*inputs), rtol=1e-5, atol=1e-5)
+
+
 class _Gather(torch.nn.Module):
     def forward(self, x, ids):
         return x[ids] * x[:, 0][ids].unsqueeze(-1)
