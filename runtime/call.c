@@ -26,26 +26,45 @@ static size_t call_bytes(const kw_op_info *info, const kw_call *c) {
     return bytes;
 }
 
-static int same_layout(const kw_tensor *a, const kw_tensor *b) {
-    if (a->data != b->data || a->dtype != b->dtype || a->ndim != b->ndim) return 0;
-    for (int d = 0; d < a->ndim; d++)
-        if (a->shape[d] != b->shape[d] || a->stride[d] != b->stride[d]) return 0;
+/* Whether t's elements are at distinct addresses: with its dims ordered by
+ * stride, each stride passes the span of the dims below it. (Some layouts that
+ * interleave their dims are distinct too and are refused here: nothing writes them.) */
+static int distinct_elements(const kw_tensor *t) {
+    int order[KW_MAX_DIMS], n = 0;
+    for (int d = 0; d < t->ndim; d++)
+        if (t->shape[d] > 1) order[n++] = d;
+    for (int i = 1; i < n; i++) /* insertion sort by stride: at most 6 dims */
+        for (int j = i; j > 0 && t->stride[order[j]] < t->stride[order[j - 1]]; j--) {
+            const int tmp = order[j];
+            order[j] = order[j - 1], order[j - 1] = tmp;
+        }
+    int64_t span = 1; /* elements the dims so far reach */
+    for (int i = 0; i < n; i++) {
+        const int d = order[i];
+        if (t->stride[d] < span) return 0;
+        span = t->stride[d] * (t->shape[d] - 1) + span;
+    }
     return 1;
 }
 
-/* As capture checks a plan's steps: a written tensor may be another of the call
- * (an update in place) but never partly overlap one, or threads would race. */
+/* A written tensor overlaps no other tensor of the call, nor itself: an op run
+ * alone is never in place (kwker's ops allocate their outputs; a kernel that
+ * reads rows while it writes others would read its own results), and threads
+ * writing one element twice would race. */
 static int check_aliasing(const kw_op_info *info, const kw_call *c, char *msg, size_t len) {
     for (int k = 0; k < info->n_tensors; k++) {
         if (!c->t[k].data || info->arg[k].access == KW_READ) continue;
+        if (!distinct_elements(&c->t[k])) {
+            snprintf(msg, len, "%s: %s is written and its elements overlap", info->name, info->arg[k].name);
+            return KW_EALIAS;
+        }
         const char *w = c->t[k].data;
         const int64_t w_bytes = kw_tensor_extent(&c->t[k]);
         for (int j = 0; j < info->n_tensors; j++) {
-            if (j == k || !c->t[j].data || same_layout(&c->t[k], &c->t[j])) continue;
+            if (j == k || !c->t[j].data) continue;
             const char *o = c->t[j].data;
             if (w < o + kw_tensor_extent(&c->t[j]) && o < w + w_bytes) {
-                snprintf(msg, len, "%s: %s (written) partly overlaps %s", info->name, info->arg[k].name,
-                         info->arg[j].name);
+                snprintf(msg, len, "%s: %s (written) overlaps %s", info->name, info->arg[k].name, info->arg[j].name);
                 return KW_EALIAS;
             }
         }

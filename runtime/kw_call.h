@@ -19,8 +19,8 @@
  * of one row of 960 3.8 against 1.2). */
 #define KW_CALL_INLINE_BYTES ((size_t)128 << 10)
 
-/* Checks c's parameters and tensors against the op's rules (and that no written
- * tensor partly overlaps another, KW_EALIAS), prepares it for
+/* Checks c's parameters and tensors against the op's rules (and that a written
+ * tensor overlaps no other and not itself, KW_EALIAS), prepares it for
  * `isa`, and runs it on every thread of `pool` (on the calling thread alone
  * when pool is NULL or the call is smaller than KW_CALL_INLINE_BYTES), with
  * each thread's scratch and the shared hand-out

@@ -8,7 +8,6 @@ eagerly, as Inductor's extern kernel, or as a plan's fallback step. The replay
 lowering maps each to the same native op as a step of a plan.
 """
 
-import functools
 import logging
 
 import torch
@@ -119,7 +118,10 @@ def _native(name: str, tensors: list, ip=(), fp=()) -> bool:
     try:
         _C.run_op(name, tensors, ip, fp)
         return True
-    except _C.PlanError as e:  # the op's rules reject this call: the reference runs it
+    # The op's rules reject the call (PlanError), a tensor is of a dtype or rank
+    # kwker does not take (TypeError, ValueError), or grouped_linear's offsets run
+    # past x (IndexError, which a plan raises): the reference, the op's meaning, runs.
+    except (_C.PlanError, TypeError, ValueError, IndexError) as e:
         log.debug("kwker.%s runs its reference: %s", name, e)
         return False
 
@@ -136,7 +138,7 @@ def norm_flags(gemma: bool) -> list[int]:
 
 
 def _norm_dtype(x, weight, gemma):
-    return x.dtype if gemma else torch.promote_types(weight.dtype, x.dtype)
+    return x.dtype if gemma else torch.result_type(weight, x)
 
 
 def _cpu_rms_norm(x, weight, eps, gemma):
@@ -148,9 +150,10 @@ def _cpu_rms_norm(x, weight, eps, gemma):
 
 def _cpu_add_rms_norm(x, y, weight, eps, gemma):
     residual = _elementwise_out(x, y)
-    normed = residual.new_empty(residual.shape, dtype=_norm_dtype(residual, weight, gemma))
-    if _native("add_rms_norm", [normed, residual, x, y, weight], norm_flags(gemma), [eps]):
-        return residual, normed
+    if residual is not None:
+        normed = residual.new_empty(residual.shape, dtype=_norm_dtype(residual, weight, gemma))
+        if _native("add_rms_norm", [normed, residual, x, y, weight], norm_flags(gemma), [eps]):
+            return residual, normed
     return _contiguous(_add_rms_norm(x, y, weight, eps, gemma))
 
 
@@ -160,19 +163,25 @@ def _broadcast_shape(*xs) -> torch.Size:
 
 
 def _elementwise_out(*xs):
-    return xs[0].new_empty(_broadcast_shape(*xs), dtype=functools.reduce(torch.promote_types, (x.dtype for x in xs)))
+    """The output of an op over xs of one dtype, or None: PyTorch's promotion
+    rounds mixed dtypes at each step of the reference (rotary's two products in
+    bf16 before their sum), and a 0-d tensor does not promote the others, which
+    the kernels would not follow."""
+    if any(x.dtype != xs[0].dtype for x in xs):
+        return None
+    return xs[0].new_empty(_broadcast_shape(*xs))
 
 
 def _cpu_rotary(x, cos, sin):
     y = _elementwise_out(x, cos, sin)
-    if _native("rotary", [y, x, cos, sin], [_P["ROPE_HALF"], 0]):
+    if y is not None and _native("rotary", [y, x, cos, sin], [_P["ROPE_HALF"], 0]):
         return y
     return _contiguous(_rotary(x, cos, sin))
 
 
 def _cpu_silu_mul(gate, up):
     y = _elementwise_out(gate, up)
-    if _native("silu_mul", [y, gate, up]):
+    if y is not None and _native("silu_mul", [y, gate, up]):
         return y
     return _contiguous(_silu_mul(gate, up))
 
@@ -183,7 +192,7 @@ GELU_MODES = {"none": _P["GELU_ERF"], "tanh": _P["GELU_TANH"]}
 
 def _cpu_gelu_mul(gate, up, approximate):
     y = _elementwise_out(gate, up)
-    if approximate in GELU_MODES and _native("gelu_mul", [y, gate, up], [GELU_MODES[approximate]]):
+    if y is not None and approximate in GELU_MODES and _native("gelu_mul", [y, gate, up], [GELU_MODES[approximate]]):
         return y
     return _contiguous(_gelu_mul(gate, up, approximate))
 
@@ -219,9 +228,23 @@ def _cpu_grouped_linear(x, weight, offs):
     return _contiguous(_grouped_linear(x, weight, offs))
 
 
+# An additive mask value at or below this (bfloat16's finfo.min) excludes its
+# position in the native attention (ops/attention.h, KW__ATTN_MASKED).
+_ATTENTION_MASKED = -3.38953139e38
+
+
+def _every_row_keeps_a_position(mask) -> bool:
+    """Where a mask excludes a whole row, or holds a NaN, the native attention
+    writes zeros where SDPA gives the mean of V (finfo.min) or NaN."""
+    if mask is None:
+        return True
+    kept = mask if mask.dtype == torch.bool else mask > _ATTENTION_MASKED
+    return bool(kept.any(-1).all()) and (mask.dtype == torch.bool or not bool(mask.isnan().any()))
+
+
 def _cpu_attention(q, k_cache, v_cache, mask, scale):
     y = q.new_empty((*q.shape[:-1], v_cache.shape[-1]))
-    if _native("attention", [y, q, k_cache, v_cache, mask], (), [scale]):
+    if _every_row_keeps_a_position(mask) and _native("attention", [y, q, k_cache, v_cache, mask], (), [scale]):
         return y
     return _contiguous(_attention(q, k_cache, v_cache, mask, scale))
 

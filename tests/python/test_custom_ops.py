@@ -115,6 +115,34 @@ def test_a_call_the_native_op_rejects_runs_the_reference(refused):
     torch.testing.assert_close(torch.cat(ys, -1), REFERENCE["linear"](_rand(2, 64), _rand(50, 64, seed=1), None))
 
 
+def _odd_calls():
+    """Calls whose meaning a kernel would not give: the reference must run them."""
+    v = _rand(1, 2, 8, 16, seed=2)
+    return [
+        ("silu_mul", (_rand(8, dtype=BF16), torch.tensor(2.0))),  # a 0-d float32 does not promote bf16
+        ("gelu_mul", (torch.tensor(0.5), _rand(8, dtype=BF16), "tanh")),
+        ("rotary", (_rand(1, 2, 3, 64, dtype=BF16), _rand(3, 64), _rand(3, 64, dtype=BF16, seed=1))),  # mixed dtypes
+        ("attention", (_rand(1, 4, 1, 16), _rand(1, 2, 8, 16, seed=1), v,  # a row all finfo.min: SDPA's mean of V
+                       torch.full((1, 1, 1, 8), torch.finfo(torch.float32).min), 0.25)),
+        ("attention", (_rand(1, 4, 1, 16), _rand(1, 2, 8, 16, seed=1), v,
+                       torch.zeros(1, 1, 1, 8).index_fill_(-1, torch.tensor([3]), float("nan")), 0.25)),
+        ("silu_mul", (_rand(4, 8).double(), _rand(4, 8, seed=1).double())),  # a dtype kwker does not take
+        ("grouped_linear", (_rand(6, 8), _rand(3, 5, 8, seed=1), torch.tensor([2, 4, 9]))),  # offsets past x
+    ]
+
+
+def test_calls_the_kernels_would_not_mean_the_same_run_the_reference_eagerly_and_inside_inductor():
+    for name, args in _odd_calls():
+        want = REFERENCE[name](*args)
+        got = getattr(ops, name)(*args)
+        assert got.dtype == want.dtype, name
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True, msg=name)
+    torch._dynamo.reset()
+    x, s = _rand(8, dtype=BF16), torch.tensor(2.0)
+    compiled = torch.compile(lambda x, s: ops.silu_mul(x, s) * 3 + 1, backend="inductor", fullgraph=True)
+    torch.testing.assert_close(compiled(x, s), REFERENCE["silu_mul"](x, s) * 3 + 1)
+
+
 def test_an_op_inside_a_plans_fallback_runs_on_that_thread():
     """The plan's pool is busy with the plan: the op runs on the calling thread alone."""
     x, w = _rand(4, 64), _rand(64, seed=1)
@@ -137,13 +165,15 @@ def test_run_op_checks_its_arguments():
         _C.run_op("rms_norm", [y, None, _rand(64)], [0], [1e-6])
     with pytest.raises(_C.PlanError, match="no kwker op named 'nope'"):
         _C.run_op("nope", [])
-    buf = torch.randn(2, 64)
-    with pytest.raises(_C.PlanError, match="silu_mul: y \\(written\\) partly overlaps gate") as e:
-        _C.run_op("silu_mul", [buf[:, 1:], buf[:, :-1], _rand(2, 63)])
-    assert e.value.code == _C.EALIAS
-    gate, up = _rand(2, 64), _rand(2, 64, seed=1)
-    want = REFERENCE["silu_mul"](gate, up)
-    _C.run_op("silu_mul", [gate, gate, up])  # in place over gate, the very tensor: allowed
-    torch.testing.assert_close(gate, want, rtol=1e-5, atol=1e-6)
+    buf, up = torch.randn(2, 64), _rand(2, 64, seed=1)
+    for y, gate, what in ((buf[:, 1:], buf[:, :-1], "y \\(written\\) overlaps gate"),
+                          (buf, buf, "y \\(written\\) overlaps gate"),  # in place: a linear would read its own rows
+                          (torch.zeros(1).expand(2, 64), buf, "y is written and its elements overlap")):
+        with pytest.raises(_C.PlanError, match=f"silu_mul: {what}") as e:
+            _C.run_op("silu_mul", [y, gate, up[:, :gate.shape[1]]])
+        assert e.value.code == _C.EALIAS
+    y = torch.empty(64, 2).t()  # written through strides: distinct elements, accepted
+    _C.run_op("silu_mul", [y, buf, up])
+    torch.testing.assert_close(y, REFERENCE["silu_mul"](buf, up), rtol=1e-5, atol=1e-6)
     with pytest.raises(IndexError, match="grouped_linear: the experts' offsets"):
         _C.run_op("grouped_linear", [torch.empty(10, 24), _rand(10, 32), _rand(3, 24, 32), torch.tensor([3, 12, 9])])

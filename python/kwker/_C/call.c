@@ -22,38 +22,28 @@ int kw__parse_op_params(const char *name, PyObject *ip_obj, PyObject *fp_obj, kw
     return p->n_fp < 0 ? -1 : 0;
 }
 
-/* The call's tensors: each a CPU tensor or None (an absent optional one). */
-static int read_tensors(PyObject *seq, const char *op, kw_call *c) {
-    PyObject *fast = PySequence_Fast(seq, "tensors must be a sequence");
-    if (!fast) return -1;
-    const Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
-    int rc = 0;
+/* The call's tensors (tensors: a tuple, which keeps them alive while the GIL is
+ * released): each a CPU tensor or None (an absent optional one). */
+static int read_tensors(PyObject *tensors, const char *op, kw_call *c) {
+    const Py_ssize_t n = PyTuple_GET_SIZE(tensors);
     if (n > KW_CALL_MAX_TENSORS) {
         PyErr_Format(PyExc_ValueError, "%s: at most %d tensors, got %zd", op, KW_CALL_MAX_TENSORS, n);
-        rc = -1;
+        return -1;
     }
-    for (Py_ssize_t i = 0; i < n && !rc; i++) {
-        PyObject *t = PySequence_Fast_GET_ITEM(fast, i);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *t = PyTuple_GET_ITEM(tensors, i);
         if (t == Py_None) continue;
         char what[96];
         snprintf(what, sizeof what, "%s's tensor %zd", op, i);
-        rc = kw__tensor_read(t, what, &c->t[i]);
+        if (kw__tensor_read(t, what, &c->t[i])) return -1;
     }
-    Py_DECREF(fast);
-    return rc;
+    return 0;
 }
 
-PyObject *kw__run_op(PyObject *self, PyObject *args, PyObject *kw) {
-    static char *names[] = {"name", "tensors", "ip", "fp", NULL};
-    const char *name;
-    PyObject *tensors, *ip_obj = NULL, *fp_obj = NULL;
-    kw__op_params p;
-    kw_call c = {0};
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "sO|OO:run_op", names, &name, &tensors, &ip_obj, &fp_obj) ||
-        kw__torch_init() || kw__parse_op_params(name, ip_obj, fp_obj, &p) || read_tensors(tensors, name, &c))
-        return NULL;
-    memcpy(c.ip, p.ip, sizeof c.ip);
-    memcpy(c.fp, p.fp, sizeof c.fp);
+/* Runs the call whose tensors were read (their owners kept alive by the caller). */
+static PyObject *run(const char *name, const kw__op_params *p, kw_call *c) {
+    memcpy(c->ip, p->ip, sizeof c->ip);
+    memcpy(c->fp, p->fp, sizeof c->fp);
     /* Inside a plan's fallback this thread is its pool's thread 0, and the pool is
      * busy with that plan: the call runs on this thread alone. */
     kw_pool *pool = NULL;
@@ -68,9 +58,25 @@ PyObject *kw__run_op(PyObject *self, PyObject *args, PyObject *kw) {
     char msg[512];
     int rc;
     Py_BEGIN_ALLOW_THREADS
-    rc = kw_call_run((kw_op_id)p.op, &c, p.n_ip, p.n_fp, kw_cpu_isa(), pool, &fault, msg, sizeof msg);
+    rc = kw_call_run((kw_op_id)p->op, c, p->n_ip, p->n_fp, kw_cpu_isa(), pool, &fault, msg, sizeof msg);
     Py_END_ALLOW_THREADS
     if (rc == KW_EINDEX) return kw__index_error(name, fault.index, fault.size, "kwker._C.run_op");
     if (rc) return kw__plan_error(rc, "%s", msg[0] ? msg : kw_strerror(rc));
     Py_RETURN_NONE;
+}
+
+PyObject *kw__run_op(PyObject *self, PyObject *args, PyObject *kw) {
+    static char *names[] = {"name", "tensors", "ip", "fp", NULL};
+    const char *name;
+    PyObject *seq, *ip_obj = NULL, *fp_obj = NULL;
+    kw__op_params p;
+    kw_call c = {0};
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "sO|OO:run_op", names, &name, &seq, &ip_obj, &fp_obj) ||
+        kw__torch_init() || kw__parse_op_params(name, ip_obj, fp_obj, &p))
+        return NULL;
+    PyObject *tensors = PySequence_Tuple(seq);
+    if (!tensors) return NULL;
+    PyObject *res = read_tensors(tensors, name, &c) ? NULL : run(name, &p, &c);
+    Py_DECREF(tensors);
+    return res;
 }
