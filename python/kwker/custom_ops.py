@@ -172,9 +172,13 @@ def _elementwise_out(*xs):
     return xs[0].new_empty(_broadcast_shape(*xs))
 
 
+# kwker.rotary's int parameters for the native rotary: HF's rotate_half over all of x's last dim
+ROTARY_HALF = (_P["ROPE_HALF"], 0)
+
+
 def _cpu_rotary(x, cos, sin):
     y = _elementwise_out(x, cos, sin)
-    if y is not None and _native("rotary", [y, x, cos, sin], [_P["ROPE_HALF"], 0]):
+    if y is not None and _native("rotary", [y, x, cos, sin], ROTARY_HALF):
         return y
     return _contiguous(_rotary(x, cos, sin))
 
@@ -228,9 +232,9 @@ def _cpu_grouped_linear(x, weight, offs):
     return _contiguous(_grouped_linear(x, weight, offs))
 
 
-# An additive mask value at or below this (bfloat16's finfo.min) excludes its
-# position in the native attention (ops/attention.h, KW__ATTN_MASKED).
-_ATTENTION_MASKED = -3.38953139e38
+# An additive mask value at or below bfloat16's finfo.min excludes its position in
+# the native attention (ops/attention.h, KW__ATTN_MASKED).
+_ATTENTION_MASKED = torch.finfo(torch.bfloat16).min
 
 
 def _every_row_keeps_a_position(mask) -> bool:

@@ -22,7 +22,7 @@ import torch
 from torch.fx import Node
 
 from kwker import _C
-from kwker.custom_ops import GELU_MODES, LINEAR_MULTI_OUTPUTS, norm_flags, ops
+from kwker.custom_ops import GELU_MODES, LINEAR_MULTI_OUTPUTS, ROTARY_HALF, norm_flags, ops
 from kwker.rewrite.match import val
 from kwker.weights import CopiedWeight, by_matmul, rows_per_call
 
@@ -327,7 +327,7 @@ def _lower_add_rms_norm(lw: _Lowering, node: Node):
 def _lower_rotary(lw: _Lowering, node: Node):
     x, cos, sin = node.args
     views = [lw.view(val(node)), lw.view(val(x)), lw.view(val(cos)), lw.view(val(sin))]
-    lw.op(node, "rotary", views, [P["ROPE_HALF"], 0])
+    lw.op(node, "rotary", views, ROTARY_HALF)
 
 
 def _lower_silu_mul(lw: _Lowering, node: Node):
@@ -355,7 +355,7 @@ def _lower_layer_norm(lw: _Lowering, node: Node):
         return False
     views = [lw.view(out), lw.view(val(x)), lw.arg_view(weight), lw.arg_view(bias)]
     if not val(x).is_contiguous() and lw.b.check_op("layer_norm", views, [], [eps]) is not None:
-        views[1] = lw.contiguous_copy(node, val(x))  # 2 MB copied, against PyTorch's layer norm as a fallback
+        views[1] = lw.contiguous_copy(node, val(x))  # a native copy costs less than PyTorch's norm as a fallback
     lw.op(node, "layer_norm", views, [], [eps])
 
 
