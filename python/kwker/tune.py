@@ -81,7 +81,7 @@ def forward_and_backward(fn: Callable, inputs: list) -> list:
 
 def choose(builders: dict[str, Callable[[], Callable]], inputs: list, reference: str, truth: str | None = None,
            run: Callable[[Callable, list], list] = call, written: list | tuple = (),
-           tolerance: dict = TOLERANCE, first_ms: dict | None = None) -> Choice:
+           tolerance: dict = TOLERANCE) -> Choice:
     """builders: name -> a function that compiles that candidate and returns
     what to call. The reference's failures to build or run propagate; the
     others' are logged. truth: the candidate whose outputs the others must give
@@ -91,10 +91,7 @@ def choose(builders: dict[str, Callable[[], Callable]], inputs: list, reference:
     written: the inputs the graph writes in place, put back as they were after
     every run, so that each candidate, and the call that follows the tuning,
     sees them unchanged. (Dynamo puts the random number generator back after a
-    backend's compile: the runs here draw nothing the user's call would.)
-    first_ms: when given, gets each candidate's first run (ms) as it is built,
-    for the builders after it to read: one may decline to compile a candidate
-    those runs show cannot win (kwker.freeze.cannot_win)."""
+    backend's compile: the runs here draw nothing the user's call would.)"""
     saved = [(x, x.detach().clone()) for x in written]
 
     def run_and_restore(fn):
@@ -111,10 +108,7 @@ def choose(builders: dict[str, Callable[[], Callable]], inputs: list, reference:
         start = time.perf_counter()
         try:
             fn = build()
-            run_start = time.perf_counter()
             outputs[name] = run_and_restore(fn)
-            if first_ms is not None:
-                first_ms[name] = (time.perf_counter() - run_start) * 1e3
             built[name] = fn
         except Exception as e:
             if name == reference:
