@@ -81,6 +81,10 @@ static inline float kw__attn_bias(const kw__attn *a, const char *mrow, int64_t s
     return a->mask && a->mt != KW_BOOL ? kw__ldf(mrow, s, a->mt) : 0.0f;
 }
 
+/* Query head h at position i of batch b, whose mask row keeps no position:
+ * written as SDPA on the CPU writes it (see attention.c). acc: f32[Dv] scratch. */
+void kw__attn_unkept_row(const kw__attn *a, int64_t b, int64_t i, int64_t h, float *acc);
+
 /* The mask row of query position i of batch b. */
 static inline const char *kw__attn_mask_row(const kw__attn *a, int64_t b, int64_t i) {
     return a->mask ? a->mask + (size_t)(b * a->ms + i * a->ml) * kw_dtype_size(a->mt) : NULL;

@@ -169,10 +169,14 @@ static void head(const kw__attn *a, const kw__attn_scratch *w, const char *mrow,
     const int64_t qo = b * a->qs[0] + h * a->qs[1] + i * a->qs[2], oo = b * a->os[0] + h * a->os[1] + i * a->os[2];
     const char *k = a->k + (size_t)(b * a->ks[0] + kh * a->ks[1]) * kw_dtype_size(a->kt);
     const char *v = a->v + (size_t)(b * a->vs[0] + kh * a->vs[1]) * kw_dtype_size(a->vt);
+    if (n == 0) {
+        kw__attn_unkept_row(a, b, i, h, w->acc);
+        return;
+    }
     for (int64_t d = 0; d < a->D; d++) w->qf[d] = kw__ldf(a->q, qo + d, a->qt);
     scores_head(a, k, w->pos, n, w->qf, mrow, w->scores);
     const float sum = softmax_unnormalised(w->scores, n, a->vt);
-    pv_head(a, v, w->pos, n, w->scores, n ? 1.0f / sum : 0.0f, oo);
+    pv_head(a, v, w->pos, n, w->scores, 1.0f / sum, oo);
 }
 
 void KW__ISA_NAME(kw__attention_heads)(const kw__attn *a, int64_t u0, int64_t u1, void *work) {
@@ -244,8 +248,9 @@ static void pack_keys(const kw__attn *a, const char *k, const int32_t *pos, int6
 
 /* s[j] = the mask's bias at pos[j] (0 for bool or no mask), -inf where the mask
  * row drops it and for j in [n, np); widens [lo, hi) to cover every kept j. When
- * the positions are consecutive (a causal or padded prefix), KW_VW at a time. */
-static void bias_row(const kw__attn *a, const char *mrow, const int32_t *pos, int64_t n, int64_t np, float *s,
+ * the positions are consecutive (a causal or padded prefix), KW_VW at a time.
+ * Returns whether the row keeps any position. */
+static int bias_row(const kw__attn *a, const char *mrow, const int32_t *pos, int64_t n, int64_t np, float *s,
                      int64_t *lo, int64_t *hi) {
     int64_t first = n, last = -1;
     if (n && pos[n - 1] - pos[0] == n - 1) {
@@ -273,6 +278,7 @@ static void bias_row(const kw__attn *a, const char *mrow, const int32_t *pos, in
     }
     for (int64_t j = n; j < np; j++) s[j] = -INFINITY;
     *lo = KW__MIN(*lo, first), *hi = KW__MAX(*hi, last + 1);
+    return last >= 0;
 }
 
 /* scores[t · np + j] += dot(q_t, k[pos[j]]) · scale for the block's ROWS rows and
@@ -350,6 +356,7 @@ static void pv_block(const kw__attn *a, const char *v, const int32_t *pos, int64
 static void block(const kw__attn *a, const kw__attn_scratch *w, int64_t b, int64_t kh, int64_t r0, int64_t n) {
     const int64_t np = kw__attn_pad(n), rows = KW__MIN(ROWS, a->L * a->G - r0);
     int64_t oo[ROWS], lo = n, hi = 0, i_prev = -1;
+    int keeps[ROWS] = {0};
     float inv[ROWS];
     for (int64_t t = 0; t < ROWS; t++) {
         float *s = w->scores + t * np, *qf = w->qf + t * a->D;
@@ -362,9 +369,9 @@ static void block(const kw__attn *a, const kw__attn_scratch *w, int64_t b, int64
         oo[t] = b * a->os[0] + h * a->os[1] + i * a->os[2];
         for (int64_t d = 0; d < a->D; d++) qf[d] = kw__ldf(a->q, qo + d, a->qt);
         if (i == i_prev)
-            memcpy(s, s - np, (size_t)np * sizeof *s);
+            memcpy(s, s - np, (size_t)np * sizeof *s), keeps[t] = keeps[t - 1];
         else
-            bias_row(a, kw__attn_mask_row(a, b, i), w->pos, n, np, s, &lo, &hi);
+            keeps[t] = bias_row(a, kw__attn_mask_row(a, b, i), w->pos, n, np, s, &lo, &hi);
         i_prev = i;
     }
     const int64_t j0 = lo / (NV * KW_VW) * (NV * KW_VW), j1 = KW__MIN(np, kw__attn_pad(hi));
@@ -381,6 +388,8 @@ static void block(const kw__attn *a, const kw__attn_scratch *w, int64_t b, int64
     }
     pv_block(a, a->v + (size_t)(b * a->vs[0] + kh * a->vs[1]) * kw_dtype_size(a->vt), w->pos, j0, KW__MIN(j1, n),
              w->scores, np, inv, rows, oo);
+    for (int64_t t = 0; t < rows; t++)
+        if (!keeps[t]) kw__attn_unkept_row(a, b, (r0 + t) / a->G, kh * a->G + (r0 + t) % a->G, w->acc);
 }
 
 void KW__ISA_NAME(kw__attention_blocks)(const kw__attn *a, int64_t u0, int64_t u1, void *work) {

@@ -232,23 +232,15 @@ def _cpu_grouped_linear(x, weight, offs):
     return _contiguous(_grouped_linear(x, weight, offs))
 
 
-# An additive mask value at or below bfloat16's finfo.min excludes its position in
-# the native attention (ops/attention.h, KW__ATTN_MASKED).
-_ATTENTION_MASKED = torch.finfo(torch.bfloat16).min
-
-
-def _every_row_keeps_a_position(mask) -> bool:
-    """Where a mask excludes a whole row, or holds a NaN, the native attention
-    writes zeros where SDPA gives the mean of V (finfo.min) or NaN."""
-    if mask is None:
-        return True
-    kept = mask if mask.dtype == torch.bool else mask > _ATTENTION_MASKED
-    return bool(kept.any(-1).all()) and (mask.dtype == torch.bool or not bool(mask.isnan().any()))
+def _mask_has_no_nan(mask) -> bool:
+    """SDPA gives NaN for a row whose mask holds one; the native attention skips
+    the position (ops/attention.h, KW__ATTN_MASKED)."""
+    return mask is None or mask.dtype == torch.bool or not bool(mask.isnan().any())
 
 
 def _cpu_attention(q, k_cache, v_cache, mask, scale):
     y = q.new_empty((*q.shape[:-1], v_cache.shape[-1]))
-    if _every_row_keeps_a_position(mask) and _native("attention", [y, q, k_cache, v_cache, mask], (), [scale]):
+    if _mask_has_no_nan(mask) and _native("attention", [y, q, k_cache, v_cache, mask], (), [scale]):
         return y
     return _contiguous(_attention(q, k_cache, v_cache, mask, scale))
 

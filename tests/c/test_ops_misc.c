@@ -298,15 +298,38 @@ Test(attention, every_variant_matches_the_reference) {
     }
 }
 
-Test(attention, no_valid_position_gives_zeros) {
+/* A row the mask drops whole is SDPA's: zeros where nothing is left (bool, or
+ * -inf everywhere), else the softmax over the finite positions, where
+ * dot · scale + mask rounds to the mask: the mean of V over the positions that
+ * hold the row's largest mask value (HF's finfo.min padding rows). */
+Test(attention, a_row_the_mask_drops_whole_is_sdpas) {
     tt_rng r = {48};
-    tt_case k = {0};
-    attention_case(&k, KW_F32, KW_BF16, 2, 3, 2, 4, 40, 16, 16, MASK_BOOL, 1, 1, &r);
-    for (int64_t s = 0; s < 40; s++) tt_set(&k.c.t[4], (int64_t[]){1, 0, 2, s}, 0);
-    tt_check_variants(KW_OP_ATTENTION, &k, (tt_tol){8e-3, 1e-5}, "empty row");
-    for (int64_t h = 0; h < 8; h++)
-        for (int64_t d = 0; d < 16; d++) cr_expect_eq(tt_get(&k.c.t[0], (int64_t[]){1, h, 2, d}), 0.0);
-    tt_free(&k);
+    const int64_t B = 2, Hkv = 2, G = 4, S = 40, D = 16;
+    for (int trial = 0; trial < 4; trial++) {
+        const int64_t L = trial % 2 ? 3 : 1; /* a block of rows, or one head at a time */
+        const enum mask_kind mk = trial < 2 ? MASK_BOOL : MASK_F32;
+        tt_case k = {0};
+        attention_case(&k, KW_F32, KW_BF16, B, L, Hkv, G, S, D, D, mk, 1, 1, &r);
+        kw_tensor *m = &k.c.t[4];
+        const int64_t i = L - 1; /* row (1, i) drops every position; for F32 so does (0, i) */
+        for (int64_t s = 0; s < S; s++) {
+            tt_set(m, (int64_t[]){1, 0, i, s}, mk == MASK_BOOL ? 0 : s == 5 ? -INFINITY : -FLT_MAX);
+            if (mk == MASK_F32) tt_set(m, (int64_t[]){0, 0, i, s}, s == 7 ? -3.3895313892515355e38 : s == 9 ? -INFINITY : -FLT_MAX);
+        }
+        tt_check_variants(KW_OP_ATTENTION, &k, (tt_tol){8e-3, 1e-5}, "a row dropped whole");
+        for (int64_t h = 0; h < Hkv * G; h++)
+            for (int64_t d = 0; d < D; d++) {
+                double mean = 0;
+                for (int64_t s = 0; s < S; s++) mean += s == 5 ? 0 : tt_get(&k.c.t[3], (int64_t[]){1, h / G, s, d}) / (S - 1);
+                const double got = tt_get(&k.c.t[0], (int64_t[]){1, h, i, d});
+                cr_expect_float_eq(got, mk == MASK_BOOL ? 0.0 : mean, 1e-5, "trial %d [1,%lld,%lld,%lld]", trial,
+                                   (long long)h, (long long)i, (long long)d);
+                if (mk == MASK_F32) /* only position 7 holds the largest value */
+                    cr_expect_float_eq(tt_get(&k.c.t[0], (int64_t[]){0, h, i, d}),
+                                       tt_get(&k.c.t[3], (int64_t[]){0, h / G, 7, d}), 1e-6, "trial %d", trial);
+            }
+        tt_free(&k);
+    }
 }
 
 /* SDPA in double with repeat_kv done explicitly, the mask applied as PyTorch does. */

@@ -39,6 +39,11 @@ def _cases(dtype):
                        torch.arange(16).view(1, 1, 1, 16) < 11, 32 ** -0.5)),
         ("attention", (r(1, 4, 3, 32), r(1, 2, 16, 32, seed=1), r(1, 2, 16, 32, seed=2),
                        torch.zeros(1, 1, 3, 16, dtype=dtype).masked_fill(torch.arange(16) > 12, -torch.inf), 0.2)),
+        ("attention", (r(2, 4, 3, 32), r(2, 2, 16, 32, seed=1), r(2, 2, 16, 32, seed=2),  # padding rows: SDPA's mean of V
+                       torch.full((2, 1, 3, 16), torch.finfo(dtype).min, dtype=dtype).index_fill_(-1, torch.tensor([0, 5]), 0)
+                       .index_fill_(0, torch.tensor([1]), torch.finfo(dtype).min), 0.2)),
+        ("attention", (r(2, 4, 1, 32), r(2, 2, 16, 32, seed=1), r(2, 2, 16, 32, seed=2),
+                       (torch.arange(16) < 11).view(1, 1, 1, 16) & torch.tensor([True, False]).view(2, 1, 1, 1), 0.2)),
         ("rms_norm", (r(96, 512), r(512, seed=1), 1e-6, False)),
         ("linear", (r(rows, 256), r(256, 256, seed=1), r(256, seed=2))),
     ]
@@ -122,8 +127,6 @@ def _odd_calls():
         ("silu_mul", (_rand(8, dtype=BF16), torch.tensor(2.0))),  # a 0-d float32 does not promote bf16
         ("gelu_mul", (torch.tensor(0.5), _rand(8, dtype=BF16), "tanh")),
         ("rotary", (_rand(1, 2, 3, 64, dtype=BF16), _rand(3, 64), _rand(3, 64, dtype=BF16, seed=1))),  # mixed dtypes
-        ("attention", (_rand(1, 4, 1, 16), _rand(1, 2, 8, 16, seed=1), v,  # a row all finfo.min: SDPA's mean of V
-                       torch.full((1, 1, 1, 8), torch.finfo(torch.float32).min), 0.25)),
         ("attention", (_rand(1, 4, 1, 16), _rand(1, 2, 8, 16, seed=1), v,
                        torch.zeros(1, 1, 1, 8).index_fill_(-1, torch.tensor([3]), float("nan")), 0.25)),
         ("silu_mul", (_rand(4, 8).double(), _rand(4, 8, seed=1).double())),  # a dtype kwker does not take
