@@ -46,12 +46,14 @@ static int attention_prepare(const kw_call *c, kw_isa isa, void *prep, char *msg
                         kw__shape(o).s);
     if (kw__present(m)) {
         if ((m->dtype != KW_BOOL && !kw__is_float(m->dtype)) || m->ndim != 4 || (m->shape[0] != a->B && m->shape[0] != 1) ||
-            m->shape[1] != 1 || (m->shape[2] != a->L && m->shape[2] != 1) || m->shape[3] != a->S ||
-            (a->S > 1 && m->stride[3] != 1))
+            (m->shape[1] != a->Hq && m->shape[1] != 1) || (m->shape[2] != a->L && m->shape[2] != 1) ||
+            m->shape[3] != a->S || (a->S > 1 && m->stride[3] != 1))
             return kw__fail(msg, len, KW_ESHAPE,
-                            "attention: mask must be bool, float32 or bfloat16 [B or 1, 1, L = %lld or 1, S = %lld] with "
-                            "contiguous S (got %s)", (long long)a->L, (long long)a->S, kw__shape(m).s);
-        a->mt = m->dtype, a->ms = m->shape[0] == 1 ? 0 : m->stride[0], a->ml = m->shape[2] == 1 ? 0 : m->stride[2];
+                            "attention: mask must be bool, float32 or bfloat16 [B or 1, Hq = %lld or 1, L = %lld or 1, "
+                            "S = %lld] with contiguous S (got %s)", (long long)a->Hq, (long long)a->L, (long long)a->S,
+                            kw__shape(m).s);
+        a->mt = m->dtype, a->ms = m->shape[0] == 1 ? 0 : m->stride[0];
+        a->mh = m->shape[1] == 1 ? 0 : m->stride[1], a->ml = m->shape[2] == 1 ? 0 : m->stride[2];
     }
     a->ot = o->dtype, a->qt = q->dtype, a->kt = k->dtype, a->vt = v->dtype;
     for (int d = 0; d < 3; d++) a->os[d] = o->stride[d], a->qs[d] = q->stride[d];
@@ -71,7 +73,7 @@ static int attention_prepare(const kw_call *c, kw_isa isa, void *prep, char *msg
  * a bool mask or -inf everywhere leaves none, and the row is zeros, as torch's
  * SDPA on the CPU gives. Padding rows only: one pass of scalar code. */
 void kw__attn_unkept_row(const kw__attn *a, int64_t b, int64_t i, int64_t h, float *acc) {
-    const char *mrow = kw__attn_mask_row(a, b, i);
+    const char *mrow = kw__attn_mask_row(a, b, h, i);
     const int64_t kh = h / a->G, qo = b * a->qs[0] + h * a->qs[1] + i * a->qs[2];
     const int64_t oo = b * a->os[0] + h * a->os[1] + i * a->os[2];
     float m = -INFINITY, sum = 0.0f;
@@ -107,11 +109,11 @@ static int64_t scan_scalar(const char *mrow, const kw__attn *a, int32_t *pos) {
 
 void kw__attention_heads_scalar(const kw__attn *a, int64_t u0, int64_t u1, void *work) {
     const kw__attn_scratch w = kw__attn_carve(a, work);
-    int64_t cur_row = -1, n = 0;
+    int64_t cur_mrow = -1, n = 0;
     for (int64_t u = u0; u < u1; u++) {
         const int64_t row = u / a->Hq, b = row / a->L, i = row % a->L, h = u % a->Hq, kh = h / a->G;
-        const char *mrow = kw__attn_mask_row(a, b, i);
-        if (row != cur_row) n = scan_scalar(mrow, a, w.pos), cur_row = row;
+        const char *mrow = kw__attn_mask_row(a, b, h, i);
+        if ((a->mh ? u : row) != cur_mrow) n = scan_scalar(mrow, a, w.pos), cur_mrow = a->mh ? u : row;
         if (n == 0) {
             kw__attn_unkept_row(a, b, i, h, w.acc);
             continue;
@@ -161,7 +163,8 @@ static void attention_kernel(const kw_call *c, int ith, int nth) {
 }
 
 /* Slots out [B, Hq, L, Dv], q [B, Hq, L, D], k_cache [B, Hkv, S, D],
- * v_cache [B, Hkv, S, Dv], mask [B or 1, 1, L or 1, S] (optional; bool or additive);
+ * v_cache [B, Hkv, S, Dv], mask [B or 1, Hq or 1, L or 1, S] (optional; bool or additive:
+ * T5's relative position bias is one per head);
  * fp[0] scale. */
 const kw_op_info kw_op_info_attention = {
     .name = "attention",

@@ -26,7 +26,7 @@ struct kw__attn {
     const char *q, *k, *v, *mask; /* mask NULL: every position is valid */
     int64_t os[3], qs[3];         /* strides of B, H and L */
     int64_t ks[3], vs[3];         /* strides of B, H and S */
-    int64_t ms, ml;               /* strides of the mask's B and L (0 when broadcast) */
+    int64_t ms, mh, ml;           /* strides of the mask's B, H and L (0 when broadcast) */
     kw_dtype ot, qt, kt, vt, mt;
     float scale;
     kw__attn_fn run;
@@ -85,9 +85,9 @@ static inline float kw__attn_bias(const kw__attn *a, const char *mrow, int64_t s
  * written as SDPA on the CPU writes it (see attention.c). acc: f32[Dv] scratch. */
 void kw__attn_unkept_row(const kw__attn *a, int64_t b, int64_t i, int64_t h, float *acc);
 
-/* The mask row of query position i of batch b. */
-static inline const char *kw__attn_mask_row(const kw__attn *a, int64_t b, int64_t i) {
-    return a->mask ? a->mask + (size_t)(b * a->ms + i * a->ml) * kw_dtype_size(a->mt) : NULL;
+/* The mask row of query head h at position i of batch b. */
+static inline const char *kw__attn_mask_row(const kw__attn *a, int64_t b, int64_t h, int64_t i) {
+    return a->mask ? a->mask + (size_t)(b * a->ms + h * a->mh + i * a->ml) * kw_dtype_size(a->mt) : NULL;
 }
 
 /* Block u's batch, cache head and first row. */

@@ -181,11 +181,12 @@ static void head(const kw__attn *a, const kw__attn_scratch *w, const char *mrow,
 
 void KW__ISA_NAME(kw__attention_heads)(const kw__attn *a, int64_t u0, int64_t u1, void *work) {
     const kw__attn_scratch w = kw__attn_carve(a, work);
-    int64_t cur_row = -1, n = 0;
+    int64_t cur_mrow = -1, n = 0;
     for (int64_t u = u0; u < u1; u++) {
         const int64_t row = u / a->Hq, b = row / a->L, i = row % a->L;
-        const char *mrow = kw__attn_mask_row(a, b, i);
-        if (row != cur_row) n = scan(mrow, a, w.pos), cur_row = row;
+        const char *mrow = kw__attn_mask_row(a, b, u % a->Hq, i);
+        /* the heads of a position share its mask row, unless the mask has one per head */
+        if ((a->mh ? u : row) != cur_mrow) n = scan(mrow, a, w.pos), cur_mrow = a->mh ? u : row;
         head(a, &w, mrow, b, i, u % a->Hq, n);
     }
 }
@@ -195,15 +196,17 @@ void KW__ISA_NAME(kw__attention_heads)(const kw__attn *a, int64_t u0, int64_t u1
 #define ROWS KW__ATTN_ROWS
 #define NV (KW_VW == 16 ? 2 : 1) /* vectors per row held in registers: ROWS · NV accumulators */
 
-/* The positions any query row of batch b keeps, ascending. */
+/* The positions any query row of batch b keeps, ascending (of any head, where
+ * the mask has one per head: a superset for each cache head's blocks). */
 static int64_t scan_union(const kw__attn *a, int64_t b, const kw__attn_scratch *w) {
     if (!a->mask) return scan(NULL, a, w->pos);
     const int64_t words = (a->S + 31) / 32;
     memset(w->bits, 0, (size_t)words * sizeof *w->bits);
-    for (int64_t i = 0; i < (a->ml ? a->L : 1); i++) {
-        const char *mrow = kw__attn_mask_row(a, b, i);
-        for (int64_t wi = 0; wi < words; wi++) w->bits[wi] |= keep_bits(a, mrow, wi * 32);
-    }
+    for (int64_t h = 0; h < (a->mh ? a->Hq : 1); h++)
+        for (int64_t i = 0; i < (a->ml ? a->L : 1); i++) {
+            const char *mrow = kw__attn_mask_row(a, b, h, i);
+            for (int64_t wi = 0; wi < words; wi++) w->bits[wi] |= keep_bits(a, mrow, wi * 32);
+        }
     int64_t n = 0;
     for (int64_t wi = 0; wi < words; wi++) append_bits(w->pos, &n, wi * 32, w->bits[wi]);
     return n;
@@ -368,10 +371,10 @@ static void block(const kw__attn *a, const kw__attn_scratch *w, int64_t b, int64
         const int64_t qo = b * a->qs[0] + h * a->qs[1] + i * a->qs[2];
         oo[t] = b * a->os[0] + h * a->os[1] + i * a->os[2];
         for (int64_t d = 0; d < a->D; d++) qf[d] = kw__ldf(a->q, qo + d, a->qt);
-        if (i == i_prev)
+        if (i == i_prev && !a->mh) /* the previous row's head at the same position: the same mask row */
             memcpy(s, s - np, (size_t)np * sizeof *s), keeps[t] = keeps[t - 1];
         else
-            keeps[t] = bias_row(a, kw__attn_mask_row(a, b, i), w->pos, n, np, s, &lo, &hi);
+            keeps[t] = bias_row(a, kw__attn_mask_row(a, b, h, i), w->pos, n, np, s, &lo, &hi);
         i_prev = i;
     }
     const int64_t j0 = lo / (NV * KW_VW) * (NV * KW_VW), j1 = KW__MIN(np, kw__attn_pad(hi));

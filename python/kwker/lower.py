@@ -555,6 +555,15 @@ def _lower_neg(lw: _Lowering, node: Node):
     lw.op(node, "binary", [lw.view(val(node)), lw.view(val(node.args[0])), None], [P["BINARY_MUL"]], [-1.0])
 
 
+def _lower_relu(lw: _Lowering, node: Node):
+    """relu(x) = maximum(x, 0): binary's maximum keeps a NaN, as relu does (T5's
+    and ResNet's MLPs)."""
+    x = val(node.args[0])
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.int64):
+        return False
+    lw.op(node, "binary", [lw.view(val(node)), lw.view(x), None], [P["BINARY_MAX"]], [0.0])
+
+
 def _unary(name):
     def lower(lw: _Lowering, node: Node):
         x = node.args[0]
@@ -624,6 +633,7 @@ LOWERINGS = {
     aten.floor_divide.default: _binary("BINARY_FLOOR_DIV"),
     aten.sum.dim_IntList: _lower_small_sum,
     aten.neg.default: _lower_neg,
+    aten.relu.default: _lower_relu,
     aten.gelu.default: _lower_gelu,
     aten.cos.default: _unary("UNARY_COS"),
     aten.sin.default: _unary("UNARY_SIN"),

@@ -257,9 +257,11 @@ Test(kv_write, writes_rows_at_positions_in_place) {
 
 enum mask_kind { MASK_NONE, MASK_BOOL, MASK_F32, MASK_BF16, MASK_KINDS };
 
-/* L query positions; the mask has a row per position (mask_l) or one for all. */
+/* L query positions; the mask has a row per batch (mask_b), per head (mask_h,
+ * as T5's position bias) and per position (mask_l), or one for all. */
 static void attention_case(tt_case *k, kw_dtype qt, kw_dtype ct, int64_t B, int64_t L, int64_t Hkv, int64_t G,
-                           int64_t S, int64_t D, int64_t Dv, enum mask_kind mk, int mask_b, int mask_l, tt_rng *r) {
+                           int64_t S, int64_t D, int64_t Dv, enum mask_kind mk, int mask_b, int mask_h, int mask_l,
+                           tt_rng *r) {
     const int64_t Hq = Hkv * G;
     /* q and out as HF makes them: [B, L, Hq, D] memory viewed as [B, Hq, L, D] */
     tt_tensor(k, 1, qt, 4, TT_DIMS(B, Hq, L, D), TT_DIMS(L * Hq * D, D, Hq * D, 1), -2, 2, r);
@@ -269,16 +271,18 @@ static void attention_case(tt_case *k, kw_dtype qt, kw_dtype ct, int64_t B, int6
     k->c.fp[0] = 1 / sqrt((double)D);
     if (mk == MASK_NONE) return;
     const kw_dtype mt = mk == MASK_BOOL ? KW_BOOL : mk == MASK_F32 ? KW_F32 : KW_BF16;
-    const int64_t mb = mask_b ? B : 1, ml = mask_l ? L : 1;
-    kw_tensor *m = tt_tensor(k, 4, mt, 4, TT_DIMS(mb, 1, ml, S), NULL, 0, 0, r);
+    const int64_t mb = mask_b ? B : 1, mh = mask_h ? Hq : 1, ml = mask_l ? L : 1;
+    kw_tensor *m = tt_tensor(k, 4, mt, 4, TT_DIMS(mb, mh, ml, S), NULL, 0, 0, r);
     const double drop = mk == MASK_F32 ? (tt_int(r, 0, 1) ? -INFINITY : -FLT_MAX) : -3.3895313892515355e38;
     for (int64_t b = 0; b < mb; b++)
-        for (int64_t i = 0; i < ml; i++)
-            for (int64_t s = 0; s < S; s++) {
-                /* holes, position 0 always kept; causal past a random start when rows differ */
-                const int keep = s == 0 || (tt_int(r, 0, 2) != 0 && (!mask_l || s <= S - L + i));
-                tt_set(m, (int64_t[]){b, 0, i, s}, mt == KW_BOOL ? keep : keep ? tt_uniform(r, -3, 1) * (s % 2) : drop);
-            }
+        for (int64_t h = 0; h < mh; h++)
+            for (int64_t i = 0; i < ml; i++)
+                for (int64_t s = 0; s < S; s++) {
+                    /* holes, position 0 always kept; causal past a random start when rows differ */
+                    const int keep = s == 0 || (tt_int(r, 0, 2) != 0 && (!mask_l || s <= S - L + i));
+                    tt_set(m, (int64_t[]){b, h, i, s},
+                           mt == KW_BOOL ? keep : keep ? tt_uniform(r, -3, 1) * (s % 2) : drop);
+                }
 }
 
 Test(attention, every_variant_matches_the_reference) {
@@ -291,7 +295,7 @@ Test(attention, every_variant_matches_the_reference) {
         const int64_t L = KW__MIN(S, Ls[tt_int(&r, 0, 4)]);
         tt_case k = {0};
         attention_case(&k, qt, ct, tt_int(&r, 1, 2), L, tt_int(&r, 1, 3), trial < 20 ? 4 : Gs[tt_int(&r, 0, 4)], S, D, Dv,
-                       (enum mask_kind)(trial / 4 % MASK_KINDS), trial % 3 != 0, trial % 7 != 0, &r);
+                       (enum mask_kind)(trial / 4 % MASK_KINDS), trial % 3 != 0, trial % 5 == 1, trial % 7 != 0, &r);
         tt_check_variants(KW_OP_ATTENTION, &k, (tt_tol){ct == KW_BF16 ? 8e-3 : 2e-6, qt == KW_BF16 ? 0x1p-7 : 1e-5},
                           "attention");
         tt_free(&k);
@@ -309,7 +313,7 @@ Test(attention, a_row_the_mask_drops_whole_is_sdpas) {
         const int64_t L = trial % 2 ? 3 : 1; /* a block of rows, or one head at a time */
         const enum mask_kind mk = trial < 2 ? MASK_BOOL : MASK_F32;
         tt_case k = {0};
-        attention_case(&k, KW_F32, KW_BF16, B, L, Hkv, G, S, D, D, mk, 1, 1, &r);
+        attention_case(&k, KW_F32, KW_BF16, B, L, Hkv, G, S, D, D, mk, 1, 0, 1, &r);
         kw_tensor *m = &k.c.t[4];
         const int64_t i = L - 1; /* row (1, i) drops every position; for F32 so does (0, i) */
         for (int64_t s = 0; s < S; s++) {
@@ -338,7 +342,7 @@ Test(attention, reference_matches_double_precision) {
     for (int mk = 0; mk < MASK_KINDS; mk++) {
         const int64_t B = 2, L = 3, Hkv = 2, G = 3, S = 21, D = 10;
         tt_case k = {0};
-        attention_case(&k, KW_F32, KW_F32, B, L, Hkv, G, S, D, D, (enum mask_kind)mk, 1, 1, &r);
+        attention_case(&k, KW_F32, KW_F32, B, L, Hkv, G, S, D, D, (enum mask_kind)mk, 1, 1, 1, &r);
         tt_run(KW_OP_ATTENTION, KW_ISA_SCALAR, &k.c, 1);
         const kw_tensor *o = &k.c.t[0], *q = &k.c.t[1], *kc = &k.c.t[2], *vc = &k.c.t[3], *m = &k.c.t[4];
         for (int64_t b = 0; b < B; b++)
@@ -350,8 +354,8 @@ Test(attention, reference_matches_double_precision) {
                         for (int64_t d = 0; d < D; d++)
                             dot += tt_get(q, (int64_t[]){b, h, i, d}) * tt_get(kc, (int64_t[]){b, h / G, j, d});
                         s[j] = dot * k.c.fp[0];
-                        if (mk == MASK_BOOL && !tt_get(m, (int64_t[]){b, 0, i, j})) s[j] = -INFINITY;
-                        if (mk > MASK_BOOL) s[j] += tt_get(m, (int64_t[]){b, 0, i, j});
+                        if (mk == MASK_BOOL && !tt_get(m, (int64_t[]){b, h, i, j})) s[j] = -INFINITY;
+                        if (mk > MASK_BOOL) s[j] += tt_get(m, (int64_t[]){b, h, i, j});
                         mx = fmax(mx, s[j]);
                     }
                     for (int64_t j = 0; j < S; j++) sum += exp(s[j] - mx);
@@ -369,7 +373,7 @@ Test(attention, reference_matches_double_precision) {
 Test(attention, check_names_the_bad_slot) {
     tt_rng r = {50};
     tt_case k = {0};
-    attention_case(&k, KW_F32, KW_BF16, 1, 1, 3, 1, 16, 8, 8, MASK_BOOL, 1, 1, &r);
+    attention_case(&k, KW_F32, KW_BF16, 1, 1, 3, 1, 16, 8, 8, MASK_BOOL, 1, 0, 1, &r);
     k.c.t[1].shape[1] = 4; /* Hq not a multiple of Hkv */
     tt_expect_reject(KW_OP_ATTENTION, &k.c, KW_ESHAPE, "attention: k_cache must be");
     k.c.t[1].shape[1] = 3;

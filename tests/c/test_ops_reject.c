@@ -197,7 +197,12 @@ Test(reject, attention) {
     tt_expect_reject(KW_OP_ATTENTION, &c, KW_ESHAPE, "q must be float32 or bfloat16 [B, Hq, L, D]");
     c = attention_call();
     c.t[4] = T(KW_BOOL, 4, DIMS(1, 1, 2, 6));
-    tt_expect_reject(KW_OP_ATTENTION, &c, KW_ESHAPE, "mask must be bool, float32 or bfloat16 [B or 1, 1, L = 1 or 1");
+    tt_expect_reject(KW_OP_ATTENTION, &c, KW_ESHAPE, "mask must be bool, float32 or bfloat16 [B or 1, Hq = 4 or 1, L = 1 or 1");
+    c = attention_call();
+    c.t[4] = T(KW_BOOL, 4, DIMS(1, 4, 1, 6)); /* one mask row per head */
+    accepted(KW_OP_ATTENTION, c);
+    c.t[4] = T(KW_BOOL, 4, DIMS(1, 2, 1, 6));
+    tt_expect_reject(KW_OP_ATTENTION, &c, KW_ESHAPE, "mask must be");
     c = attention_call();
     c.t[2] = T(KW_F32, 4, DIMS(1, 3, 6, 8));
     tt_expect_reject(KW_OP_ATTENTION, &c, KW_ESHAPE, "k_cache must be");

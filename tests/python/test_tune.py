@@ -288,6 +288,35 @@ def test_a_kn_weight_like_gpt2s_conv1d_is_read_as_stored_by_the_plan(dtype):
     assert detail["rewrites"]["linear"] == 2 and detail["fallback_ops"] == [] and detail["copies"] == 0, detail
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_t5s_per_head_position_bias_and_relu_mlp_are_native_steps(dtype):
+    """T5's attention adds a position bias of its own to each head (a mask
+    [1, H, L, L]) and its MLP is a ReLU: both native, padded keys masked, the
+    encoder's output eager's."""
+    import transformers
+
+    from kwker.plan import compile_plan
+
+    torch.manual_seed(0)
+    config = transformers.T5Config(vocab_size=100, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4)
+    model = transformers.T5EncoderModel(config).eval().to(dtype)
+    ids = torch.randint(0, 100, (2, 24))
+    mask = torch.ones_like(ids).index_fill_(1, torch.arange(20, 24), 0)  # the second half's keys padded
+    made = {}
+
+    def plan_backend(gm, example_inputs):
+        made["plan"], made["detail"] = compile_plan(gm, example_inputs)
+        return made["plan"]
+
+    tol = dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    with torch.no_grad():
+        got = torch.compile(model, backend=plan_backend)(input_ids=ids, attention_mask=mask).last_hidden_state
+        torch.testing.assert_close(got, model(input_ids=ids, attention_mask=mask).last_hidden_state, **tol)
+    detail = made["detail"]
+    assert detail["rewrites"]["attention"] == 2, detail
+    assert not {"kwker.attention.default", "aten.relu.default"} & set(detail["fallback_ops"]), detail
+
+
 def test_gpt2s_written_out_gelu_is_one_tanh_gelu_and_glue_false_keeps_it():
     from transformers.activations import NewGELUActivation
 
