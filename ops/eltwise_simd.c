@@ -127,10 +127,56 @@ void KW__ISA_NAME(kw__gelu_share)(const kw__ew *e, int ith, int nth) {
     map1_share(e, ith, nth, 1);
 }
 
+/* The dim p of a convert whose y rows are contiguous and whose x is not along
+ * them but along p instead (a transpose made contiguous: T5's position bias,
+ * [L, L, H] permuted to [1, H, L, L]), or -1. */
+static int transposed_dim(const kw__ew *e) {
+    const int last = e->nd.ndim - 1;
+    if (!kw__is_float(e->yt) || !kw__is_float(e->at) || last < 1 || e->nd.stride[0][last] != 1 ||
+        e->nd.stride[1][last] == 0)
+        return -1;
+    for (int p = 0; p < last; p++)
+        if (e->nd.stride[1][p] == 1 && e->nd.shape[p] > 1) return p;
+    return -1;
+}
+
+/* y = x in KW_VW × KW_VW tiles of (p, last): KW_VW vector loads along x's p,
+ * transposed in registers, stored along y's rows, instead of a strided load per
+ * element. Threads split the tiles' rows: the other dims times p's tiles. */
+static void transpose_share(const kw__ew *e, int p, int ith, int nth) {
+    const int last = e->nd.ndim - 1;
+    const int64_t np = e->nd.shape[p], nj = e->nd.shape[last], p_tiles = (np + KW_VW - 1) / KW_VW;
+    const int64_t sx = e->nd.stride[1][last], syp = e->nd.stride[0][p];
+    int64_t u0, u1;
+    kw__split(e->nd.total / (np * nj) * p_tiles, 1, ith, nth, &u0, &u1);
+    for (int64_t u = u0; u < u1; u++) {
+        int64_t rest = u / p_tiles, yo = 0, xo = 0;
+        for (int d = last - 1; d >= 0; d--) { /* the other dims' index, p's and last's left out */
+            if (d == p) continue;
+            const int64_t idx = rest % e->nd.shape[d];
+            rest /= e->nd.shape[d];
+            yo += idx * e->nd.stride[0][d], xo += idx * e->nd.stride[1][d];
+        }
+        const int64_t p0 = u % p_tiles * KW_VW, pn = KW__MIN(KW_VW, np - p0);
+        yo += p0 * syp, xo += p0;
+        for (int64_t j0 = 0; j0 < nj; j0 += KW_VW) {
+            const int64_t jn = KW__MIN(KW_VW, nj - j0);
+            kw_v r[KW_VW];
+            for (int t = 0; t < KW_VW; t++) r[t] = t < jn ? kw_v_ldn(e->a, xo + (j0 + t) * sx, pn, e->at) : kw_v_zero();
+            kw_v_transpose(r);
+            for (int t = 0; t < pn; t++) kw_v_stn(e->y, yo + t * syp + j0, jn, e->yt, r[t]);
+        }
+    }
+}
+
 void KW__ISA_NAME(kw__convert_share)(const kw__ew *e, int ith, int nth) {
-    if (!vector_ok(e)) {
-        kw__convert_share_scalar(e, ith, nth);
+    if (vector_ok(e)) {
+        map1_share(e, ith, nth, 0);
         return;
     }
-    map1_share(e, ith, nth, 0);
+    const int p = transposed_dim(e);
+    if (p >= 0)
+        transpose_share(e, p, ith, nth);
+    else
+        kw__convert_share_scalar(e, ith, nth);
 }

@@ -260,6 +260,32 @@ Test(convert, every_variant_matches_the_reference) {
     }
 }
 
+/* A transpose made contiguous (T5's position bias: [B, L, S, H] memory viewed as
+ * [B, H, L, S]) takes the tiled path: exact, at sizes that are not multiples of
+ * a vector, a dim of 1 and a broadcast batch among them. */
+Test(convert, a_transpose_is_copied_exactly) {
+    tt_rng r = {30};
+    static const int64_t sizes[] = {1, 3, 16, 17, 40};
+    for (int trial = 0; trial < 40; trial++) {
+        const kw_dtype yt = fdt[trial % 2], xt = fdt[trial / 2 % 2];
+        const int64_t B = 1 + trial % 3 % 2, H = sizes[tt_int(&r, 0, 4)], L = sizes[tt_int(&r, 0, 4)];
+        const int64_t S = sizes[tt_int(&r, 0, 4)], xb = trial % 5 == 4 ? 0 : L * S * H;
+        tt_case k = {0};
+        kw_tensor *x = tt_tensor(&k, 1, xt, 4, TT_DIMS(B, H, L, S), TT_DIMS(xb, 1, S * H, H), -100, 100, &r);
+        kw_tensor *y = tt_tensor(&k, 0, yt, 4, TT_DIMS(B, H, L, S), NULL, 0, 0, &r);
+        tt_check_variants(KW_OP_CONVERT, &k, exact, "convert");
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t h = 0; h < H; h++)
+                for (int64_t i = 0; i < L; i++)
+                    for (int64_t j = 0; j < S; j++) {
+                        const int64_t at[4] = {b, h, i, j};
+                        cr_assert_eq(tt_get(y, at), kw__round_to((float)tt_get(x, at), yt), "trial %d [%lld,%lld,%lld,%lld]",
+                                     trial, (long long)b, (long long)h, (long long)i, (long long)j);
+                    }
+        tt_free(&k);
+    }
+}
+
 /* Known conversions, bit for bit as c10 does them. */
 Test(convert, reference_by_hand) {
     static const struct {
