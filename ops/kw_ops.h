@@ -55,6 +55,10 @@ enum {
     KW_GELU_ERF = 0, /* gelu ip[0]: approximate="none" */
     KW_GELU_TANH = 1 /* gelu ip[0]: approximate="tanh" */
 };
+enum {
+    KW_WHERE_X_IF_TRUE = 0, /* where ip[0]: y = cond ? x : fp[0] */
+    KW_WHERE_X_IF_FALSE = 1 /* where ip[0]: y = cond ? fp[0] : x */
+};
 #define KW_BINARY_OPS(X) \
     X(ADD, add)          \
     X(SUB, sub)          \

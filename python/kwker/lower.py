@@ -564,6 +564,27 @@ def _lower_relu(lw: _Lowering, node: Node):
     lw.op(node, "binary", [lw.view(val(node)), lw.view(x), None], [P["BINARY_MAX"]], [0.0])
 
 
+def _lower_where(lw: _Lowering, node: Node):
+    """where(cond, x, c) or where(cond, c, x), c a number or a constant 0-d
+    tensor (T5's mask: its position bias where the padding mask keeps a key,
+    finfo.min elsewhere), x of the result's dtype."""
+    cond, a, b = node.args[:3]
+    y = val(node)
+
+    def number(arg):
+        if isinstance(arg, (int, float)) and not isinstance(arg, bool):
+            return float(arg)
+        folded = lw.folded.get(arg) if isinstance(arg, Node) else None
+        return float(folded) if folded is not None and folded.dim() == 0 and folded.is_floating_point() else None
+
+    if not isinstance(cond, Node) or val(cond).dtype != torch.bool:
+        return False
+    for x, scalar, mode in ((a, number(b), "WHERE_X_IF_TRUE"), (b, number(a), "WHERE_X_IF_FALSE")):
+        if isinstance(x, Node) and scalar is not None and val(x).dtype == y.dtype:
+            return lw.op(node, "where", [lw.view(y), lw.view(val(cond)), lw.view(val(x))], [P[mode]], [scalar])
+    return False
+
+
 def _unary(name):
     def lower(lw: _Lowering, node: Node):
         x = node.args[0]
@@ -634,6 +655,9 @@ LOWERINGS = {
     aten.sum.dim_IntList: _lower_small_sum,
     aten.neg.default: _lower_neg,
     aten.relu.default: _lower_relu,
+    aten.where.self: _lower_where,
+    aten.where.ScalarOther: _lower_where,
+    aten.where.ScalarSelf: _lower_where,
     aten.gelu.default: _lower_gelu,
     aten.cos.default: _unary("UNARY_COS"),
     aten.sin.default: _unary("UNARY_SIN"),

@@ -7,6 +7,7 @@
  * libm: f32 atol 5e-7 + rtol 2e-6; bf16 outputs one ulp more per rounding
  * (silu_mul rounds twice): rtol 2^-6. */
 #include <criterion/criterion.h>
+#include <float.h>
 #include <math.h>
 #include <string.h>
 
@@ -282,6 +283,39 @@ Test(convert, a_transpose_is_copied_exactly) {
                         cr_assert_eq(tt_get(y, at), kw__round_to((float)tt_get(x, at), yt), "trial %d [%lld,%lld,%lld,%lld]",
                                      trial, (long long)b, (long long)h, (long long)i, (long long)j);
                     }
+        tt_free(&k);
+    }
+}
+
+/* where: a bool cond broadcast over heads (T5's padding mask), x permuted (its
+ * position bias), the scalar on either side and rounded to y's dtype (float's
+ * lowest is -inf in bfloat16). */
+Test(where, takes_x_where_cond_says_and_the_scalar_elsewhere) {
+    tt_rng r = {31};
+    for (int trial = 0; trial < 8; trial++) {
+        const kw_dtype dt = fdt[trial % 2];
+        const int mode = trial / 2 % 2 ? KW_WHERE_X_IF_FALSE : KW_WHERE_X_IF_TRUE;
+        const int64_t B = 2, H = 3, L = 5, S = 19;
+        tt_case k = {0};
+        kw_tensor *cond = tt_tensor(&k, 1, KW_BOOL, 4, TT_DIMS(B, 1, 1, S), NULL, 0, 1, &r);
+        kw_tensor *x = tt_tensor(&k, 2, dt, 4, TT_DIMS(B, H, L, S), TT_DIMS(L * S * H, 1, S * H, H), -9, 9, &r);
+        kw_tensor *y = tt_tensor(&k, 0, dt, 4, TT_DIMS(B, H, L, S), NULL, 0, 0, &r);
+        k.c.ip[0] = mode;
+        k.c.fp[0] = trial / 4 ? -FLT_MAX : 2.5;
+        tt_run(KW_OP_WHERE, kw_cpu_isa(), &k.c, 2);
+        int64_t taken = 0;
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t h = 0; h < H; h++)
+                for (int64_t i = 0; i < L; i++)
+                    for (int64_t s = 0; s < S; s++) {
+                        const int64_t at[4] = {b, h, i, s}, c_at[4] = {b, 0, 0, s};
+                        const int take_x = (tt_get(cond, c_at) != 0) == (mode == KW_WHERE_X_IF_TRUE);
+                        taken += take_x;
+                        const double want = take_x ? tt_get(x, at) : kw__round_to((float)k.c.fp[0], dt);
+                        cr_assert_eq(tt_get(y, at), want, "trial %d [%lld,%lld,%lld,%lld]", trial, (long long)b,
+                                     (long long)h, (long long)i, (long long)s);
+                    }
+        cr_expect(taken > 0 && taken < B * H * L * S, "trial %d: both sides taken", trial);
         tt_free(&k);
     }
 }

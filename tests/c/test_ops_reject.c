@@ -307,4 +307,18 @@ Test(reject, gated_and_gelu_and_unary_and_convert) {
     c = one;
     c.t[1] = absent;
     tt_expect_reject(KW_OP_CONVERT, &c, KW_EDTYPE, "convert: x must be present");
+    const kw_call pick = {.t = {T(KW_F32, 2, DIMS(3, 4)), T(KW_BOOL, 1, DIMS(4)), T(KW_F32, 2, DIMS(3, 4))}};
+    accepted(KW_OP_WHERE, pick);
+    c = pick;
+    c.t[1] = T(KW_U8, 1, DIMS(4));
+    tt_expect_reject(KW_OP_WHERE, &c, KW_EDTYPE, "where: cond must be bool and x of y's dtype float32");
+    c = pick;
+    c.t[2] = T(KW_BF16, 2, DIMS(3, 4));
+    tt_expect_reject(KW_OP_WHERE, &c, KW_EDTYPE, "where: cond must be bool and x of y's dtype float32");
+    c = pick;
+    c.t[1] = T(KW_BOOL, 1, DIMS(3));
+    tt_expect_reject(KW_OP_WHERE, &c, KW_ESHAPE, "where: inputs");
+    c = pick;
+    c.ip[0] = 2;
+    tt_expect_reject(KW_OP_WHERE, &c, KW_EINVAL, "where: ip[0] must be");
 }

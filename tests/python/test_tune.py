@@ -291,8 +291,10 @@ def test_a_kn_weight_like_gpt2s_conv1d_is_read_as_stored_by_the_plan(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_t5s_per_head_position_bias_and_relu_mlp_are_native_steps(dtype):
     """T5's attention adds a position bias of its own to each head (a mask
-    [1, H, L, L]) and its MLP is a ReLU: both native, padded keys masked, the
-    encoder's output eager's."""
+    [1, H, L, L], made as where(padding mask, bias, finfo.min) and copied out of
+    its permuted layout), its MLP is a ReLU and its RMSNorm multiplies the bf16
+    input by the float32 rsqrt: all native, padded keys masked, the encoder's
+    output eager's."""
     import transformers
 
     from kwker.plan import compile_plan
@@ -314,7 +316,8 @@ def test_t5s_per_head_position_bias_and_relu_mlp_are_native_steps(dtype):
         torch.testing.assert_close(got, model(input_ids=ids, attention_mask=mask).last_hidden_state, **tol)
     detail = made["detail"]
     assert detail["rewrites"]["attention"] == 2, detail
-    assert not {"kwker.attention.default", "aten.relu.default"} & set(detail["fallback_ops"]), detail
+    assert detail["rewrites"]["rms_norm"] == 5, detail  # 2 per layer and the last
+    assert not {"kwker.attention.default", "aten.relu.default", "aten.where.self"} & set(detail["fallback_ops"]), detail
 
 
 def test_gpt2s_written_out_gelu_is_one_tanh_gelu_and_glue_false_keeps_it():

@@ -39,6 +39,8 @@ static PyObject *op_params(PyObject *self, PyObject *unused) {
         {"GATHER_WRAP", KW_GATHER_WRAP},
         {"GELU_ERF", KW_GELU_ERF},
         {"GELU_TANH", KW_GELU_TANH},
+        {"WHERE_X_IF_TRUE", KW_WHERE_X_IF_TRUE},
+        {"WHERE_X_IF_FALSE", KW_WHERE_X_IF_FALSE},
         {"DNNL_MIN_M_F32", KW_DNNL_MIN_M_F32},
         {"DNNL_MIN_M_BF16", amx ? KW_DNNL_MIN_M_BF16_AMX : KW_DNNL_MIN_M_BF16},
         {"DNNL_MIN_M_F32_BF16_COPY", amx ? KW_DNNL_MIN_M_F32_BF16_COPY_AMX : KW_DNNL_MIN_M_F32_BF16_COPY},

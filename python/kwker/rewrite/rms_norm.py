@@ -18,7 +18,8 @@ def fuse_rms_norm(gm: torch.fx.GraphModule) -> int:
 
 def _fuse_one(graph, rsqrt) -> int:
     """Matches rsqrt(mean(h², -1, keepdim) + eps) * h, then Llama's weight * _.to(dtype)
-    or Gemma's (_ * (1 + weight.float())).to(dtype), with h = x.to(float32)."""
+    or Gemma's (_ * (1 + weight.float())).to(dtype), with h = x.to(float32). T5's
+    multiplies x itself by the float32 rsqrt: type promotion makes that h."""
     add = rsqrt.args[0]
     if not is_call(add, aten.add.Tensor, aten.add.Scalar) or not isinstance(add.args[1], float):
         return 0
@@ -33,10 +34,10 @@ def _fuse_one(graph, rsqrt) -> int:
         return 0
     if val(h).dtype != torch.float32:
         return 0
-    normed = next((u for u in rsqrt.users if is_call(u, aten.mul.Tensor) and other_arg(u, rsqrt) is h), None)
+    x, eps = strip_float_upcast(h), add.args[1]
+    normed = next((u for u in rsqrt.users if is_call(u, aten.mul.Tensor) and other_arg(u, rsqrt) in (h, x)), None)
     if normed is None:
         return 0
-    x, eps = strip_float_upcast(h), add.args[1]
     return _fuse_llama_tail(graph, normed, x, eps) or _fuse_gemma_tail(graph, normed, x, eps)
 
 
