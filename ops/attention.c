@@ -71,33 +71,32 @@ static int attention_prepare(const kw_call *c, kw_isa isa, void *prep, char *msg
  * the row is the mean of V over the positions holding the row's largest mask
  * value. So such a row is computed like a kept one over its finite positions;
  * a bool mask or -inf everywhere leaves none, and the row is zeros, as torch's
- * SDPA on the CPU gives. Padding rows only: one pass of scalar code. */
-void kw__attn_unkept_row(const kw__attn *a, int64_t b, int64_t i, int64_t h, float *acc) {
+ * SDPA on the CPU gives. Padding rows only: scalar code. */
+void kw__attn_unkept_row(const kw__attn *a, const kw__attn_scratch *w, int64_t b, int64_t i, int64_t h) {
     const char *mrow = kw__attn_mask_row(a, b, h, i);
     const int64_t kh = h / a->G, qo = b * a->qs[0] + h * a->qs[1] + i * a->qs[2];
     const int64_t oo = b * a->os[0] + h * a->os[1] + i * a->os[2];
     float m = -INFINITY, sum = 0.0f;
-    for (int64_t d = 0; d < a->Dv; d++) acc[d] = 0.0f;
-    if (a->mt != KW_BOOL)
-        for (int pass = 0; pass < 2; pass++)
-            for (int64_t s = 0; s < a->S; s++) {
-                const float bias = kw__ldf(mrow, s, a->mt);
-                if (!(bias > -INFINITY)) continue;
-                const int64_t ko = b * a->ks[0] + kh * a->ks[1] + s * a->ks[2];
-                float dot = 0.0f;
-                for (int64_t d = 0; d < a->D; d++) dot += kw__ldf(a->q, qo + d, a->qt) * kw__ldf(a->k, ko + d, a->kt);
-                const float score = dot * a->scale + bias;
-                if (pass == 0) {
-                    m = fmaxf(m, score);
-                    continue;
-                }
-                const float p = expf(score - m), pv = kw__round_to(p, a->vt);
-                const int64_t vo = b * a->vs[0] + kh * a->vs[1] + s * a->vs[2];
-                sum += p;
-                for (int64_t d = 0; d < a->Dv; d++) acc[d] += pv * kw__ldf(a->v, vo + d, a->vt);
-            }
+    for (int64_t s = 0; a->mt != KW_BOOL && s < a->S; s++) {
+        const float bias = kw__ldf(mrow, s, a->mt);
+        w->scores[s] = -INFINITY;
+        if (!(bias > -INFINITY)) continue;
+        const int64_t ko = b * a->ks[0] + kh * a->ks[1] + s * a->ks[2];
+        float dot = 0.0f;
+        for (int64_t d = 0; d < a->D; d++) dot += kw__ldf(a->q, qo + d, a->qt) * kw__ldf(a->k, ko + d, a->kt);
+        w->scores[s] = dot * a->scale + bias;
+        m = fmaxf(m, w->scores[s]);
+    }
+    for (int64_t d = 0; d < a->Dv; d++) w->acc[d] = 0.0f;
+    for (int64_t s = 0; m > -INFINITY && s < a->S; s++) {
+        if (w->scores[s] == -INFINITY) continue;
+        const float p = expf(w->scores[s] - m), pv = kw__round_to(p, a->vt);
+        const int64_t vo = b * a->vs[0] + kh * a->vs[1] + s * a->vs[2];
+        sum += p;
+        for (int64_t d = 0; d < a->Dv; d++) w->acc[d] += pv * kw__ldf(a->v, vo + d, a->vt);
+    }
     const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-    for (int64_t d = 0; d < a->Dv; d++) kw__stf(a->o, oo + d, a->ot, acc[d] * inv);
+    for (int64_t d = 0; d < a->Dv; d++) kw__stf(a->o, oo + d, a->ot, w->acc[d] * inv);
 }
 
 static int64_t scan_scalar(const char *mrow, const kw__attn *a, int32_t *pos) {
@@ -115,7 +114,7 @@ void kw__attention_heads_scalar(const kw__attn *a, int64_t u0, int64_t u1, void 
         const char *mrow = kw__attn_mask_row(a, b, h, i);
         if ((a->mh ? u : row) != cur_mrow) n = scan_scalar(mrow, a, w.pos), cur_mrow = a->mh ? u : row;
         if (n == 0) {
-            kw__attn_unkept_row(a, b, i, h, w.acc);
+            kw__attn_unkept_row(a, &w, b, i, h);
             continue;
         }
         const int64_t qo = b * a->qs[0] + h * a->qs[1] + i * a->qs[2], oo = b * a->os[0] + h * a->os[1] + i * a->os[2];

@@ -82,8 +82,9 @@ static inline float kw__attn_bias(const kw__attn *a, const char *mrow, int64_t s
 }
 
 /* Query head h at position i of batch b, whose mask row keeps no position:
- * written as SDPA on the CPU writes it (see attention.c). acc: f32[Dv] scratch. */
-void kw__attn_unkept_row(const kw__attn *a, int64_t b, int64_t i, int64_t h, float *acc);
+ * written as SDPA on the CPU writes it (see attention.c). Scratch: the
+ * scratch's scores (f32[S]) and acc (f32[Dv]). */
+void kw__attn_unkept_row(const kw__attn *a, const kw__attn_scratch *w, int64_t b, int64_t i, int64_t h);
 
 /* The mask row of query head h at position i of batch b. */
 static inline const char *kw__attn_mask_row(const kw__attn *a, int64_t b, int64_t h, int64_t i) {

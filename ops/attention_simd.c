@@ -170,7 +170,7 @@ static void head(const kw__attn *a, const kw__attn_scratch *w, const char *mrow,
     const char *k = a->k + (size_t)(b * a->ks[0] + kh * a->ks[1]) * kw_dtype_size(a->kt);
     const char *v = a->v + (size_t)(b * a->vs[0] + kh * a->vs[1]) * kw_dtype_size(a->vt);
     if (n == 0) {
-        kw__attn_unkept_row(a, b, i, h, w->acc);
+        kw__attn_unkept_row(a, w, b, i, h);
         return;
     }
     for (int64_t d = 0; d < a->D; d++) w->qf[d] = kw__ldf(a->q, qo + d, a->qt);
@@ -392,7 +392,7 @@ static void block(const kw__attn *a, const kw__attn_scratch *w, int64_t b, int64
     pv_block(a, a->v + (size_t)(b * a->vs[0] + kh * a->vs[1]) * kw_dtype_size(a->vt), w->pos, j0, KW__MIN(j1, n),
              w->scores, np, inv, rows, oo);
     for (int64_t t = 0; t < rows; t++)
-        if (!keeps[t]) kw__attn_unkept_row(a, b, (r0 + t) / a->G, kh * a->G + (r0 + t) % a->G, w->acc);
+        if (!keeps[t]) kw__attn_unkept_row(a, w, b, (r0 + t) / a->G, kh * a->G + (r0 + t) % a->G);
 }
 
 void KW__ISA_NAME(kw__attention_blocks)(const kw__attn *a, int64_t u0, int64_t u1, void *work) {
