@@ -9,7 +9,7 @@ import torch
 from kwker import _C, guards, summary
 from kwker.aten_graph import op_arguments, trace_to_aten
 from kwker.decode import compile_decode_step
-from kwker.freeze import FrozenGraph, worth_freezing
+from kwker.freeze import FrozenGraph, cannot_win, worth_freezing
 from kwker.lower import NotLowerable
 from kwker.options import KwkerOptions, parse_options
 from kwker.plan import compile_plan, inputs_written
@@ -76,7 +76,8 @@ def compile_routed(path: str, gm, example_inputs, opts: KwkerOptions):
 def tune_inference(gm: torch.fx.GraphModule, example_inputs, opts: KwkerOptions):
     """A CPU inference graph: stock Inductor, Dynamo's graph run eagerly,
     kwker's plan (when the graph lowers) and, for convolutions with batch
-    norms, Inductor with the model's tensors frozen (kwker.freeze), each timed
+    norms, Inductor with the model's tensors frozen (kwker.freeze; not
+    compiled where Inductor's steady call shows it cannot win), each timed
     on this call's inputs, the fastest kept (kwker.tune). The inputs the graph
     writes are put back after every run. A graph with random ops goes to
     Inductor untimed, as before tuning: every candidate draws other numbers
@@ -98,7 +99,8 @@ def tune_inference(gm: torch.fx.GraphModule, example_inputs, opts: KwkerOptions)
                 "plan": build_plan}
     if worth_freezing(aten_gm) and not written:  # a written tensor is no constant
         builders["frozen"] = lambda: FrozenGraph(gm, example_inputs, dict(opts.inductor_patches))
-    choice = choose(builders, example_inputs, reference="inductor", truth="eager", written=written)
+    choice = choose(builders, example_inputs, reference="inductor", truth="eager", written=written,
+                    gates={"frozen": cannot_win})
     if choice.name == "frozen" and choice.fallback is not None:  # else Dynamo's graph, FrozenGraph's own
         choice.fn.fallback = choice.fallback
     detail = {"candidates": choice.ms, "choice": choice.name, "left_out": choice.left_out}

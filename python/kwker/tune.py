@@ -79,9 +79,14 @@ def forward_and_backward(fn: Callable, inputs: list) -> list:
     return [t.detach() if isinstance(t, torch.Tensor) else t for t in outputs] + list(grads)
 
 
+# A gate: given the median ms of the candidates built before its own, why its
+# candidate is not worth building, or None.
+Gate = Callable[[dict[str, float]], str | None]
+
+
 def choose(builders: dict[str, Callable[[], Callable]], inputs: list, reference: str, truth: str | None = None,
            run: Callable[[Callable, list], list] = call, written: list | tuple = (),
-           tolerance: dict = TOLERANCE) -> Choice:
+           tolerance: dict = TOLERANCE, gates: dict[str, Gate] | None = None) -> Choice:
     """builders: name -> a function that compiles that candidate and returns
     what to call. The reference's failures to build or run propagate; the
     others' are logged. truth: the candidate whose outputs the others must give
@@ -91,7 +96,12 @@ def choose(builders: dict[str, Callable[[], Callable]], inputs: list, reference:
     written: the inputs the graph writes in place, put back as they were after
     every run, so that each candidate, and the call that follows the tuning,
     sees them unchanged. (Dynamo puts the random number generator back after a
-    backend's compile: the runs here draw nothing the user's call would.)"""
+    backend's compile: the runs here draw nothing the user's call would.)
+    gates: name -> a Gate, asked before that candidate is built (a compile
+    that cannot win is not paid for). It is given steady times: each candidate
+    built so far whose outputs agree with the truth's is run once more, as the
+    first round of timing (a first run pays one-off costs: Inductor's has
+    measured 20-80x its later calls on small graphs)."""
     saved = [(x, x.detach().clone()) for x in written]
 
     def run_and_restore(fn):
@@ -103,8 +113,14 @@ def choose(builders: dict[str, Callable[[], Callable]], inputs: list, reference:
                     x.copy_(before)
         return out
 
-    built, outputs, left_out = {}, {}, {}
+    built, outputs, left_out, times = {}, {}, {}, {}
     for name, build in builders.items():
+        gate = (gates or {}).get(name)
+        if gate is not None:
+            why = gate(_gate_ms(built, outputs, times, truth or reference, tolerance, run_and_restore))
+            if why:
+                left_out[name] = why
+                continue
         start = time.perf_counter()
         try:
             fn = build()
@@ -123,7 +139,7 @@ def choose(builders: dict[str, Callable[[], Callable]], inputs: list, reference:
             del built[name]
     for name, why in left_out.items():
         (log.warning if name == reference else log.info)("candidate %s left out: %s", name, why)
-    ms = _median_ms(built, run_and_restore)
+    ms = _median_ms(built, run_and_restore, {name: t for name, t in times.items() if name in built})
     best = _fastest(ms, reference)
     log.info("candidates %s: %s kept", ", ".join(f"{n} {t:.3f} ms" for n, t in ms.items()), best)
     rest = {n: t for n, t in ms.items() if n != best}
@@ -136,8 +152,24 @@ def _fastest(ms: dict[str, float], reference: str) -> str:
     return best if reference not in ms or ms[best] < MARGIN * ms[reference] else reference
 
 
-def _median_ms(built: dict[str, Callable], run: Callable[[Callable], object]) -> dict[str, float]:
-    times = {name: [] for name in built}
+def _gate_ms(built: dict, outputs: dict, times: dict[str, list[float]], truth: str, tolerance: dict,
+             run: Callable[[Callable], object]) -> dict[str, float]:
+    """The median ms so far of each candidate built whose outputs agree with the
+    truth's (all of them while the truth is not built), each first run once more
+    if it has no time yet (the time goes into `times`, the first round's)."""
+    agree = [n for n in built if truth not in outputs or not _differs(outputs[n], outputs[truth], tolerance, truth)]
+    for name in agree:
+        if name not in times:
+            t = time.perf_counter()
+            run(built[name])
+            times[name] = [time.perf_counter() - t]
+    return {name: statistics.median(times[name]) * 1e3 for name in agree}
+
+
+def _median_ms(built: dict[str, Callable], run: Callable[[Callable], object],
+               times: dict[str, list[float]]) -> dict[str, float]:
+    """Interleaved rounds over `built`, after the times (s) some have already."""
+    times = {name: list(times.get(name, [])) for name in built}
     start = time.perf_counter()
     for round_ in range(MAX_ROUNDS):
         if round_ >= SEPARATED_ROUNDS and _separated(times):

@@ -9,7 +9,7 @@ import torch
 import kwker
 import kwker.tune
 from kwker import summary
-from kwker.freeze import FrozenGraph
+from kwker.freeze import FrozenGraph, cannot_win
 
 pytestmark = pytest.mark.usefixtures("fresh_compile_state")
 
@@ -91,8 +91,8 @@ def test_a_second_model_of_the_same_class_is_not_read_through_the_first_ones_con
 def test_a_conv_bn_graph_is_tuned_with_a_frozen_candidate_that_stays_correct(monkeypatch):
     real = kwker.tune._median_ms
 
-    def frozen_fastest(built, run):
-        ms = real(built, run)
+    def frozen_fastest(built, run, times):
+        ms = real(built, run, times)
         return {name: (0.0 if name == "frozen" else t) for name, t in ms.items()}
 
     monkeypatch.setattr(kwker.tune, "_median_ms", frozen_fastest)
@@ -114,6 +114,13 @@ def test_freezing_is_not_tried_where_it_measured_no_gain_or_under_grad():
     assert "frozen" not in set(graph.candidates) | set(graph.left_out), kwker.report()
     with pytest.raises(ValueError, match="grad is enabled"):
         FrozenGraph(torch.fx.symbolic_trace(mlp), [torch.randn(2, 16)], {})
+
+
+def test_a_frozen_candidate_is_not_compiled_where_inductors_call_shows_it_cannot_win():
+    assert cannot_win({"inductor": 10.0, "eager": 3.0, "plan": 2.6}) is None  # 3.8x: freezing might still win
+    why = cannot_win({"inductor": 412.0, "eager": 17.0})  # EfficientNet-B0's, where Inductor's pooling is slow
+    assert why and "Inductor's call takes 412 ms against eager's 17" in why
+    assert cannot_win({"eager": 17.0}) is None  # no Inductor time: nothing to go by
 
 
 def test_a_frozen_candidate_not_kept_leaves_the_models_tensors_unwatched(monkeypatch):

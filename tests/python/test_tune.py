@@ -52,6 +52,34 @@ def test_two_rounds_when_they_separate_the_fastest_else_three_at_least(monkeypat
     assert runs["ref"] == runs["close"] == 1 + 3  # timings that overlap: no early stop
 
 
+def test_a_gate_sees_steady_times_and_its_candidate_is_not_built_when_it_says_why():
+    x = torch.ones(3)
+    calls = {"ref": 0}
+
+    def slow_first_run(*inputs):  # as Inductor's: the first call pays one-off costs
+        calls["ref"] += 1
+        time.sleep(0.2 if calls["ref"] == 1 else 0.002)
+        return (x.clone(),)
+
+    def never_built():
+        raise AssertionError("a gated candidate was built")
+
+    seen = {}
+
+    def gate(ms):
+        seen.update(ms)
+        return "not worth it" if "fast" in ms and ms["ref"] > 3 * ms["fast"] else None
+
+    choice = choose({"ref": lambda: slow_first_run, "fast": taking(0.0, x), "gated": never_built}, [], "ref",
+                    gates={"gated": gate})
+    assert set(seen) == {"ref", "fast"} and seen["ref"] < 50, seen  # the second call's 2 ms, not the first's 200
+    assert choice.left_out == {"gated": "not worth it"} and set(choice.ms) == {"ref", "fast"}
+    wrong = lambda: lambda *inputs: (x + 1,)  # noqa: E731 - outputs other than the truth's: no time for the gate
+    seen.clear()
+    choose({"ref": taking(0.0, x), "wrong": wrong, "gated": taking(0.0, x)}, [], "ref", gates={"gated": gate})
+    assert set(seen) == {"ref"}, seen
+
+
 def test_a_candidate_that_fails_or_gives_other_outputs_is_left_out_with_the_reason():
     x = torch.ones(3)
 
