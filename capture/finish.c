@@ -53,7 +53,9 @@ static int same_view(const kw__view *a, const kw__view *c) {
 }
 
 /* A written view may coincide with another view of its step (an in-place
- * update) but never partly overlap one: threads would race inside the step. */
+ * update) where the op allows it (kw_op_info.in_place; a fallback runs
+ * PyTorch's own in-place op), but never partly overlap one: threads would race
+ * inside the step. */
 static int check_aliasing(const kw_builder *b, int i, char *msg, size_t len) {
     const kw__bstep *s = &b->steps[i];
     char na[32], nb[32];
@@ -67,7 +69,13 @@ static int check_aliasing(const kw_builder *b, int i, char *msg, size_t len) {
             const kw__view *o = &b->views[s->views[j]];
             int64_t olo, ohi;
             kw__view_extent(o, &olo, &ohi);
-            if (o->buffer != w->buffer || same_view(w, o) || !(wlo < ohi && olo < whi)) continue;
+            if (o->buffer != w->buffer || !(wlo < ohi && olo < whi)) continue;
+            if (same_view(w, o)) {
+                if (s->op < 0 || kw_op_get(s->op)->in_place) continue;
+                return step_fail(b, i, msg, len, KW_EALIAS, "%s is written over %s, which it reads (in place), in '%s'",
+                                 tensor_name(s, k, na, sizeof na), tensor_name(s, j, nb, sizeof nb),
+                                 b->buffers[w->buffer].name);
+            }
             return step_fail(b, i, msg, len, KW_EALIAS,
                              "%s (written, bytes [%lld, %lld)) partly overlaps %s (bytes [%lld, %lld)) in '%s'",
                              tensor_name(s, k, na, sizeof na), (long long)wlo, (long long)whi,

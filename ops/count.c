@@ -98,4 +98,5 @@ const kw_op_info kw_op_info_cumsum = {
     .arg = {{"y", KW_WRITE, 0}, {"x", KW_READ, 0}},
     .prepare = cumsum_prepare,
     .kernel = cumsum_kernel,
+    .in_place = 1, /* x[i] is read before y[i] is stored (the lowering converts x into y, then sums y) */
 };

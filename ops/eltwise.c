@@ -380,6 +380,7 @@ const kw_op_info kw_op_info_binary = {
     .prepare = binary_prepare,
     .prep_size = sizeof(kw__ew),
     .kernel = ew_kernel,
+    .in_place = 1,
 };
 
 /* Slots y, x; ip[0] kw_unary_op. */
@@ -391,6 +392,7 @@ const kw_op_info kw_op_info_unary = {
     .prepare = unary_prepare,
     .prep_size = sizeof(kw__ew),
     .kernel = ew_kernel,
+    .in_place = 1,
 };
 
 /* Slots y, gate, up. */
@@ -401,6 +403,7 @@ const kw_op_info kw_op_info_silu_mul = {
     .prepare = silu_mul_prepare,
     .prep_size = sizeof(kw__ew),
     .kernel = ew_kernel,
+    .in_place = 1,
 };
 
 /* Slots y, gate, up; ip[0] KW_GELU_ERF or KW_GELU_TANH. */
@@ -412,6 +415,7 @@ const kw_op_info kw_op_info_gelu_mul = {
     .prepare = gelu_mul_prepare,
     .prep_size = sizeof(kw__ew),
     .kernel = ew_kernel,
+    .in_place = 1,
 };
 
 /* Slots y, x; ip[0] KW_GELU_ERF or KW_GELU_TANH. */
@@ -423,6 +427,7 @@ const kw_op_info kw_op_info_gelu = {
     .prepare = gelu_prepare,
     .prep_size = sizeof(kw__ew),
     .kernel = ew_kernel,
+    .in_place = 1,
 };
 
 /* Slots y, cond, x (both broadcast to y); ip[0] KW_WHERE_X_IF_TRUE or _FALSE;
@@ -436,6 +441,7 @@ const kw_op_info kw_op_info_where = {
     .prepare = where_prepare,
     .prep_size = sizeof(kw__ew),
     .kernel = ew_kernel,
+    .in_place = 1,
 };
 
 /* Slots y, x (x broadcast to y; also a plain strided copy when dtypes match). */
@@ -446,4 +452,5 @@ const kw_op_info kw_op_info_convert = {
     .prepare = convert_prepare,
     .prep_size = sizeof(kw__ew),
     .kernel = ew_kernel,
+    .in_place = 1,
 };

@@ -167,6 +167,12 @@ typedef struct kw_op_info {
     void (*release)(void *prep);            /* frees what prepare made; NULL: nothing to free */
     size_t (*work_size)(const void *prep);  /* per-thread scratch bytes; NULL: none */
     int shares_work; /* hands work out through kw_call.share when it has one */
+    /* A written slot may be the very view of a read one (add_, copy_): each
+     * element is stored after the input elements it depends on at its index and
+     * before it are loaded (the elementwise ops, cumsum). Elsewhere capture refuses it: a
+     * matrix product or an attention over its own output would read what it
+     * has already overwritten. */
+    int in_place;
     kw_kernel_fn kernel; /* runs a prepared call; no error path */
 } kw_op_info;
 

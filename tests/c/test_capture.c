@@ -166,6 +166,28 @@ Test(capture, a_written_view_partly_overlapping_a_read_view_is_aliasing) {
     expect_failure(b, KW_EALIAS, "op 0 (linear)", "partly overlaps");
 }
 
+/* In place (the written view is the read one): elementwise ops only. */
+Test(capture, only_an_elementwise_op_writes_over_its_input) {
+    kw_builder *b = kw_builder_create();
+    const int buf = kw_builder_input(b, "x", 8 * 4);
+    const int w = kw_builder_constant(b, "w", weights, 8 * 8 * 4);
+    const int vx = view2(b, buf, KW_F32, 1, 8, 0);
+    linear(b, vx, vx, view2(b, w, KW_F32, 8, 8, 0));
+    expect_failure(b, KW_EALIAS, "op 0 (linear)", "is written over");
+
+    b = kw_builder_create();
+    const int x = kw_builder_input(b, "x", 8 * 4), out = kw_builder_output(b, "out", 8 * 4);
+    const int v = view2(b, x, KW_F32, 1, 8, 0), vo = view2(b, out, KW_F32, 1, 8, 0);
+    const int add[3] = {v, v, v}, copy[2] = {vo, v};
+    cr_assert_eq(kw_builder_op(b, KW_OP_BINARY, add, 3, (int64_t[]){KW_BINARY_ADD}, 1, (double[]){0}, 1), 0);
+    cr_assert_eq(kw_builder_op(b, KW_OP_CONVERT, copy, 2, NULL, 0, NULL, 0), 1); /* the step's index */
+    char msg[256];
+    kw_plan *plan = NULL;
+    cr_expect_eq(finish(b, &plan, msg, sizeof msg), 0, "%s", msg);
+    kw_plan_destroy(plan);
+    kw_builder_destroy(b);
+}
+
 Test(capture, fallback_access_rules_apply_too) {
     kw_builder *b = kw_builder_create();
     const int a = kw_builder_arena(b, "scratchpad", 64);

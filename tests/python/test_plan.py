@@ -302,9 +302,9 @@ def test_validation_errors_name_the_op():
     b = _C.PlanBuilder()
     x = b.input("x", F32, (2, 4))
     w = b.constant(torch.randn(8, 4), "w")
-    h = b.arena(2 * 8 * 4, "h")
+    h, h2 = b.arena(2 * 8 * 4, "h"), b.arena(2 * 8 * 4, "h2")
     b.op("linear", [_contig(b, h, (2, 8)), _contig(b, x, (2, 4)), _contig(b, w, (8, 4))], label="fc1")
-    b.op("linear", [_contig(b, h, (2, 8)), _contig(b, h, (2, 8)), _contig(b, w, (8, 4))], label="fc2")
+    b.op("linear", [_contig(b, h2, (2, 8)), _contig(b, h, (2, 8)), _contig(b, w, (8, 4))], label="fc2")  # K 8, not 4
     with pytest.raises(_C.PlanError, match=r"op 1 \(linear 'fc2'\)") as e:
         b.finish(1)
     assert e.value.code in (_C.ESHAPE, _C.EINVAL)
