@@ -557,7 +557,7 @@ def _lower_neg(lw: _Lowering, node: Node):
 
 def _lower_relu(lw: _Lowering, node: Node):
     """relu(x) = maximum(x, 0): binary's maximum keeps a NaN, as relu does (T5's
-    and ResNet's MLPs)."""
+    MLP, ResNet's blocks)."""
     x = val(node.args[0])
     if x.dtype not in (torch.float32, torch.bfloat16, torch.int64):
         return False
