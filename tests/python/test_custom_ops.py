@@ -44,6 +44,8 @@ def _cases(dtype):
                        .index_fill_(0, torch.tensor([1]), torch.finfo(dtype).min), 0.2)),
         ("attention", (r(2, 4, 1, 32), r(2, 2, 16, 32, seed=1), r(2, 2, 16, 32, seed=2),
                        (torch.arange(16) < 11).view(1, 1, 1, 16) & torch.tensor([True, False]).view(2, 1, 1, 1), 0.2)),
+        ("attention", (r(1, 4, 3, 32), r(1, 4, 16, 32, seed=1), r(1, 4, 16, 32, seed=2),  # T5's: a bias per head
+                       r(1, 4, 3, 16, seed=3), 1.0)),
         ("rms_norm", (r(96, 512), r(512, seed=1), 1e-6, False)),
         ("linear", (r(rows, 256), r(256, 256, seed=1), r(256, seed=2))),
     ]
