@@ -132,7 +132,7 @@ void KW__ISA_NAME(kw__gelu_share)(const kw__ew *e, int ith, int nth) {
  * [L, L, H] permuted to [1, H, L, L]), or -1. */
 static int transposed_dim(const kw__ew *e) {
     const int last = e->nd.ndim - 1;
-    if (!kw__is_float(e->yt) || !kw__is_float(e->at) || last < 1 || e->nd.stride[0][last] != 1 ||
+    if (!kw__is_float(e->yt) || !kw__is_float(e->at) || last < 1 || e->nd.total == 0 || e->nd.stride[0][last] != 1 ||
         e->nd.stride[1][last] == 0)
         return -1;
     for (int p = 0; p < last; p++)

@@ -557,7 +557,7 @@ def _lower_neg(lw: _Lowering, node: Node):
 
 def _lower_relu(lw: _Lowering, node: Node):
     """relu(x) = maximum(x, 0): binary's maximum keeps a NaN, as relu does (T5's
-    MLP, ResNet's blocks)."""
+    MLP, ResNet's blocks); a -0.0 comes out +0.0, an equal value."""
     x = val(node.args[0])
     if x.dtype not in (torch.float32, torch.bfloat16, torch.int64):
         return False
@@ -565,15 +565,13 @@ def _lower_relu(lw: _Lowering, node: Node):
 
 
 def _lower_where(lw: _Lowering, node: Node):
-    """where(cond, x, c) or where(cond, c, x), c a number or a constant 0-d
-    tensor (T5's mask: its position bias where the padding mask keeps a key,
-    finfo.min elsewhere), x of the result's dtype."""
+    """where(cond, x, c) or where(cond, c, x), c a constant floating 0-d tensor
+    (make_fx writes a Python number as one: T5's mask, its position bias where
+    the padding mask keeps a key, finfo.min elsewhere), x of the result's dtype."""
     cond, a, b = node.args[:3]
     y = val(node)
 
     def number(arg):
-        if isinstance(arg, (int, float)) and not isinstance(arg, bool):
-            return float(arg)
         folded = lw.folded.get(arg) if isinstance(arg, Node) else None
         return float(folded) if folded is not None and folded.dim() == 0 and folded.is_floating_point() else None
 
@@ -656,8 +654,6 @@ LOWERINGS = {
     aten.neg.default: _lower_neg,
     aten.relu.default: _lower_relu,
     aten.where.self: _lower_where,
-    aten.where.ScalarOther: _lower_where,
-    aten.where.ScalarSelf: _lower_where,
     aten.gelu.default: _lower_gelu,
     aten.cos.default: _unary("UNARY_COS"),
     aten.sin.default: _unary("UNARY_SIN"),

@@ -99,8 +99,8 @@ def choose(builders: dict[str, Callable[[], Callable]], inputs: list, reference:
     backend's compile: the runs here draw nothing the user's call would.)
     gates: name -> a Gate, asked before that candidate is built (a compile
     that cannot win is not paid for). It is given steady times: each candidate
-    built so far whose outputs agree with the truth's is run once more, as the
-    first round of timing (a first run pays one-off costs: Inductor's has
+    built so far whose outputs agree with the truth's (none before the truth is
+    built) is run once more, as the first round of timing (a first run pays one-off costs: Inductor's has
     measured 20-80x its later calls on small graphs)."""
     saved = [(x, x.detach().clone()) for x in written]
 
@@ -155,9 +155,12 @@ def _fastest(ms: dict[str, float], reference: str) -> str:
 def _gate_ms(built: dict, outputs: dict, times: dict[str, list[float]], truth: str, tolerance: dict,
              run: Callable[[Callable], object]) -> dict[str, float]:
     """The median ms so far of each candidate built whose outputs agree with the
-    truth's (all of them while the truth is not built), each first run once more
-    if it has no time yet (the time goes into `times`, the first round's)."""
-    agree = [n for n in built if truth not in outputs or not _differs(outputs[n], outputs[truth], tolerance, truth)]
+    truth's (none while the truth is not built: a fast wrong candidate must not
+    keep another out), each first run once more if it has no time yet (the time
+    goes into `times`, the first round's)."""
+    if truth not in outputs:
+        return {}
+    agree = [n for n in built if not _differs(outputs[n], outputs[truth], tolerance, truth)]
     for name in agree:
         if name not in times:
             t = time.perf_counter()

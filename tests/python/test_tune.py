@@ -78,6 +78,10 @@ def test_a_gate_sees_steady_times_and_its_candidate_is_not_built_when_it_says_wh
     seen.clear()
     choose({"ref": taking(0.0, x), "wrong": wrong, "gated": taking(0.0, x)}, [], "ref", gates={"gated": gate})
     assert set(seen) == {"ref"}, seen
+    seen.clear()  # the truth built after the gated one: no candidate's time can be trusted yet
+    choice = choose({"ref": taking(0.0, x), "gated": taking(0.0, x), "truth": taking(0.0, x)}, [], "ref",
+                    truth="truth", gates={"gated": gate})
+    assert seen == {} and "gated" in choice.ms, seen
 
 
 def test_a_candidate_that_fails_or_gives_other_outputs_is_left_out_with_the_reason():
