@@ -292,27 +292,36 @@ def test_a_candidate_that_disagrees_with_eager_is_left_out_even_inductor():
     assert graph.choice == "eager" and "differs from eager's" in graph.left_out["inductor"], kwker.report()
 
 
+# A plan's outputs against eager's, by dtype.
+PLAN_TOLERANCE = {torch.float32: dict(rtol=1e-4, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
+
+
+def plan_recording(made: dict):
+    """A backend that replays the graph as kwker's plan, leaving the plan and
+    what compiling it did (compile_plan's detail) in `made`."""
+    from kwker.plan import compile_plan
+
+    def backend(gm, example_inputs):
+        made["plan"], made["detail"] = compile_plan(gm, example_inputs)
+        return made["plan"]
+
+    return backend
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_kn_weight_like_gpt2s_conv1d_is_read_as_stored_by_the_plan(dtype):
     """transformers' Conv1D computes addmm(bias, x, W) with W [K, N]: oneDNN's
     matmul reads W through its strides, no fallback, no copy; an edit is seen."""
     from transformers.pytorch_utils import Conv1D
 
-    from kwker.plan import compile_plan
     from kwker.weights import DNNL_MIN_ROWS
 
     torch.manual_seed(0)
     net = torch.nn.Sequential(Conv1D(96, 64), torch.nn.GELU(), Conv1D(64, 96)).eval().to(dtype)
     x = torch.randn(1, DNNL_MIN_ROWS[dtype], 64, dtype=dtype)
-    made = {}
-
-    def plan_backend(gm, example_inputs):
-        made["plan"], made["detail"] = compile_plan(gm, example_inputs)
-        return made["plan"]
-
-    tol = dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    made, tol = {}, PLAN_TOLERANCE[dtype]
     with torch.no_grad():
-        compiled = torch.compile(net, backend=plan_backend)
+        compiled = torch.compile(net, backend=plan_recording(made))
         torch.testing.assert_close(compiled(x), net(x), **tol)
         net[0].weight.mul_(-2.0)
         torch.testing.assert_close(compiled(x), net(x), **tol)
@@ -329,23 +338,16 @@ def test_t5s_per_head_position_bias_and_relu_mlp_are_native_steps(dtype):
     output eager's."""
     import transformers
 
-    from kwker.plan import compile_plan
-
     torch.manual_seed(0)
     config = transformers.T5Config(vocab_size=100, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4)
     model = transformers.T5EncoderModel(config).eval().to(dtype)
     ids = torch.randint(0, 100, (2, 24))
-    mask = torch.ones_like(ids).index_fill_(1, torch.arange(20, 24), 0)  # the second half's keys padded
+    mask = torch.ones_like(ids).index_fill_(1, torch.arange(20, 24), 0)  # the last 4 keys padded
     made = {}
-
-    def plan_backend(gm, example_inputs):
-        made["plan"], made["detail"] = compile_plan(gm, example_inputs)
-        return made["plan"]
-
-    tol = dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     with torch.no_grad():
-        got = torch.compile(model, backend=plan_backend)(input_ids=ids, attention_mask=mask).last_hidden_state
-        torch.testing.assert_close(got, model(input_ids=ids, attention_mask=mask).last_hidden_state, **tol)
+        got = torch.compile(model, backend=plan_recording(made))(input_ids=ids, attention_mask=mask).last_hidden_state
+        torch.testing.assert_close(got, model(input_ids=ids, attention_mask=mask).last_hidden_state,
+                                   **PLAN_TOLERANCE[dtype])
     detail = made["detail"]
     assert detail["rewrites"]["attention"] == 2, detail
     assert detail["rewrites"]["rms_norm"] == 5, detail  # 2 per layer and the last
