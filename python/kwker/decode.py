@@ -2,7 +2,7 @@
 
 A decode step is a CPU inference graph that writes non-parameter inputs in
 place (the cache's index_copy_ and the counter's add_ of transformers'
-StaticCache): at one query position for a token, at several for a chunk of a
+StaticCache, or a full sliding-window layer's copy of its own roll): at one query position for a token, at several for a chunk of a
 chunked prefill or a verify step of prompt lookup and assisted decoding. It may
 write its own intermediates in place too (MoE routing's inverse permutation),
 never a parameter. routing.py
@@ -12,6 +12,7 @@ classify_decode_step checks the ATen trace. The step is lowered to a plan
 """
 
 import logging
+import operator
 import threading
 
 import torch
@@ -27,7 +28,9 @@ log = logging.getLogger(__name__)
 
 def classify_decode_step(gm: torch.fx.GraphModule, example_inputs) -> str | None:
     """None if the ATen graph gm is a decode step, else why it is not."""
-    cache_writes = [n for n in gm.graph.nodes if n.target is aten.index_copy_.default]
+    rolled = {n.args[0] for n in gm.graph.nodes if n.target is aten.roll.default}
+    cache_writes = [n for n in gm.graph.nodes if n.target is aten.index_copy_.default
+                    or n.target is aten.copy_.default and n.args[0] in rolled and n.args[0].op == "placeholder"]
     if not cache_writes:
         return "it writes no static cache"
     for write, written, x in inputs_written(gm, example_inputs):
@@ -38,13 +41,19 @@ def classify_decode_step(gm: torch.fx.GraphModule, example_inputs) -> str | None
 
 def compile_decode_step(gm: torch.fx.GraphModule, example_inputs, glue: bool = True):
     """What replays Dynamo's graph gm of a decode step (a Plan, or a
-    StepPerSizes when Dynamo made sizes inputs), and what compiling it did
-    (rewrite counts, fallback ops). Raises NotLowerable when gm is not one it
-    can replay."""
-    if any(isinstance(x, torch.SymInt) for x in example_inputs):
-        step = StepPerSizes(gm, example_inputs, glue)
-        return step, step.detail
-    return compile_decode_plan(gm, example_inputs, glue)
+    StepPerSizes when Dynamo made sizes inputs, either inside an IntOutputs
+    when gm also returns ints), and what compiling it did (rewrite counts,
+    fallback ops). Raises NotLowerable when gm is not one it can replay."""
+    ints = IntOutputs.split(gm, example_inputs)
+    step_gm = ints.tensor_graph if ints else gm
+    placeholders = [n for n in step_gm.graph.nodes if n.op == "placeholder"]
+    sizes = [i for i, (n, x) in enumerate(zip(placeholders, example_inputs)) if isinstance(x, torch.SymInt) and n.users]
+    if sizes:
+        step = StepPerSizes(step_gm, example_inputs, glue, sizes)
+        detail = step.detail
+    else:  # any int input left is read by no tensor op: one plan serves every value
+        step, detail = compile_decode_plan(step_gm, _hints(example_inputs), glue)
+    return (ints.around(step) if ints else step), detail
 
 
 def compile_decode_plan(gm: torch.fx.GraphModule, example_inputs, glue: bool = True, kept: dict | None = None):
@@ -71,12 +80,11 @@ class StepPerSizes:
 
     MAX_PLANS = 8
 
-    def __init__(self, gm: torch.fx.GraphModule, example_inputs, glue: bool):
+    def __init__(self, gm: torch.fx.GraphModule, example_inputs, glue: bool, sizes: list[int]):
         self.gm, self.glue = gm, glue
-        self.sizes = [i for i, x in enumerate(example_inputs) if isinstance(x, torch.SymInt)]
+        self.sizes = sizes  # the positions of the SymInt inputs that tensor ops read
         self.kept: dict = {}
-        # The hints, not int(): that would add a guard and specialise Dynamo's graph.
-        args = [optimization_hint(x) if isinstance(x, torch.SymInt) else x for x in example_inputs]
+        args = _hints(example_inputs)
         plan, self.detail = compile_decode_plan(gm, args, glue, self.kept)
         self.plans = {tuple(args[i] for i in self.sizes): plan}  # in order of use, the latest last
         self.last = plan
@@ -106,6 +114,95 @@ class StepPerSizes:
     @property
     def last_call(self) -> dict | None:
         return getattr(self.last, "last_call", None)
+
+
+def _hints(example_inputs) -> list:
+    """The example inputs with each SymInt as its hint, not int(): that would add
+    a guard and specialise Dynamo's graph."""
+    return [optimization_hint(x) if isinstance(x, torch.SymInt) else x for x in example_inputs]
+
+
+# What an int output may be computed with: Python's arithmetic on ints (Dynamo's
+# graph writes `cumulative_length_int + 1` so).
+_INT_ARITHMETIC = frozenset({operator.add, operator.sub, operator.mul, operator.floordiv, operator.mod, operator.neg})
+
+
+class IntOutputs:
+    """A step whose graph also returns Python ints computed from its int inputs
+    alone: transformers' sliding-window cache layer counts tokens in a Python
+    int, which Dynamo makes an input after one recompile and whose next value
+    the step returns. A plan returns tensors only, so the tensor outputs come
+    from the step (compiled from tensor_graph, gm without the int outputs) and
+    the ints from the few arithmetic nodes that make them, run on each call's
+    own ints. An int input that only these nodes read changes nothing the plan
+    computes: the step does not depend on its value (compile_decode_step)."""
+
+    def __init__(self, gm: torch.fx.GraphModule, outputs: list, int_nodes: list[torch.fx.Node]):
+        int_nodes = [n for n in gm.graph.nodes if n in set(int_nodes)]  # in the graph's order
+        tensor_graph, int_graph = torch.fx.Graph(), torch.fx.Graph()
+        env_t, env_i = {}, {}
+        for node in gm.graph.nodes:
+            if node.op == "output":
+                break
+            env_t[node] = tensor_graph.node_copy(node, env_t.__getitem__)
+            if node.op == "placeholder" or node in int_nodes:
+                env_i[node] = int_graph.node_copy(node, env_i.__getitem__)
+        self.is_int = [o in int_nodes for o in outputs]
+        tensor_graph.output(tuple(env_t[o] for o, i in zip(outputs, self.is_int) if not i))
+        for node in reversed(int_nodes):  # what only made the ints, so that their inputs have no users left
+            if not env_t[node].users:
+                tensor_graph.erase_node(env_t[node])
+        int_graph.output(tuple(env_i[o] for o, i in zip(outputs, self.is_int) if i))
+        self.tensor_graph = torch.fx.GraphModule(gm, tensor_graph)
+        self.ints = torch.fx.GraphModule(gm, int_graph).forward  # the generated code, without Module.__call__
+        self.step = None
+
+    @classmethod
+    def split(cls, gm: torch.fx.GraphModule, example_inputs) -> "IntOutputs | None":
+        """None when gm returns tensors only, or an int it computes from anything
+        but int inputs and _INT_ARITHMETIC (the lowering then says why not)."""
+        (outputs,) = next(n for n in gm.graph.nodes if n.op == "output").args
+        outputs = list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]
+        index = {n: i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
+        int_nodes, todo = [], [o for o in outputs if isinstance(o, torch.fx.Node) and _is_int(o.meta.get("example_value"))]
+        if not todo:
+            return None
+        while todo:
+            node = todo.pop()
+            if node in int_nodes:
+                continue
+            if node.op == "placeholder":
+                if not isinstance(example_inputs[index[node]], (int, torch.SymInt)):
+                    return None
+            elif node.op != "call_function" or node.target not in _INT_ARITHMETIC or node.kwargs:
+                return None
+            else:
+                todo.extend(a for a in node.args if isinstance(a, torch.fx.Node))
+                if not all(isinstance(a, (torch.fx.Node, int)) for a in node.args):
+                    return None
+            int_nodes.append(node)
+        return cls(gm, outputs, [n for n in int_nodes if n.op != "placeholder"])
+
+    def around(self, step) -> "IntOutputs":
+        self.step = step
+        return self
+
+    def __call__(self, *args):
+        tensors, ints = iter(self.step(*args)), iter(self.ints(*args))
+        return tuple(next(ints) if i else next(tensors) for i in self.is_int)
+
+    @property
+    def checked_args(self) -> frozenset:
+        """The arguments the step's plan checks on every call (guards.note_graph)."""
+        return getattr(self.step, "checked_args", frozenset())
+
+    @property
+    def last_call(self) -> dict | None:
+        return getattr(self.step, "last_call", None)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, (int, torch.SymInt)) and not isinstance(value, bool)
 
 
 __all__ = ["classify_decode_step", "compile_decode_step"]

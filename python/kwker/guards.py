@@ -35,7 +35,6 @@ from collections import OrderedDict
 import torch
 from torch._guards import CompileContext
 
-from kwker import _C
 
 _KEPT_FRAMES = 16  # frames whose compile noted graphs but never reached the filter: forgotten past this many
 
@@ -51,7 +50,8 @@ def note_graph(gm: torch.fx.GraphModule, compiled, grad_enabled: bool) -> None:
     compile_id = CompileContext.current_compile_id()
     if compile_id is None:  # called outside torch.compile: no guards follow
         return
-    checked = compiled.checked_args if isinstance(compiled, _C.Plan) and not grad_enabled else frozenset()
+    # A Plan, or a step around one (decode.IntOutputs), names the arguments it checks.
+    checked = getattr(compiled, "checked_args", frozenset()) if not grad_enabled else frozenset()
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     with _lock:
         frame = _rechecked.setdefault(compile_id, {})

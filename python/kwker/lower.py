@@ -387,10 +387,15 @@ def _lower_index(lw: _Lowering, node: Node):
 def _lower_index_put(lw: _Lowering, node: Node):
     """y[ids] = src in place (index_put_ with one index tensor, not accumulating):
     rows of a 1-D or 2-D y, negative ids from the end. A mixture of experts'
-    routing writes its inverse permutation so."""
+    routing writes its inverse permutation so. Or ids a constant along another
+    dim (_index_put_constant)."""
     y, indices, src = node.args[:3]
     accumulate = node.args[3] if len(node.args) > 3 else node.kwargs.get("accumulate", False)
-    if accumulate or len(indices) != 1 or not isinstance(indices[0], Node) or not isinstance(src, Node):
+    if accumulate or not isinstance(src, Node) or not indices:
+        return False
+    if len(indices) > 1 or indices[0] in lw.folded:
+        return _index_put_constant(lw, node)
+    if not isinstance(indices[0], Node):
         return False
     rows, ids, values = val(y), val(indices[0]), val(src)
     if rows.dim() not in (1, 2) or ids.dim() != 1 or values.dim() > rows.dim():
@@ -404,6 +409,67 @@ def _lower_index_put(lw: _Lowering, node: Node):
     if rows.dim() == 1:
         rows, values = rows.unsqueeze(-1), values.unsqueeze(-1)
     lw.op(node, "index_put", [lw.view(rows), lw.view(ids), lw.view(values)])
+
+
+# The most positions a constant index may write as copies, one step each.
+MAX_CONSTANT_INDICES = 16
+
+
+def _index_put_constant(lw: _Lowering, node: Node):
+    """y[:, ..., ids] = src where ids is a constant 1-D int tensor of distinct
+    positions along one dim and every other index is None (`:`): a copy per
+    position. transformers' full sliding-window cache writes its last position
+    so (`new_keys[:, :, torch.tensor([-1])] = key_states`)."""
+    y, indices, src = val(node.args[0]), node.args[1], val(node.args[2])
+    picked = [d for d, i in enumerate(indices) if i is not None]
+    if len(picked) != 1 or indices[picked[0]] not in lw.folded:
+        return False
+    dim, ids = picked[0], lw.folded[indices[picked[0]]]
+    if ids.dim() != 1 or ids.dtype not in (torch.int64, torch.int32) or not 0 < len(ids) <= MAX_CONSTANT_INDICES:
+        return False
+    n = y.shape[dim]
+    positions = [int(i) + n if int(i) < 0 else int(i) for i in ids]
+    if not all(0 <= p < n for p in positions) or len(set(positions)) != len(positions):
+        return False  # out of range: eager raises; repeated: which write wins is not defined
+    try:
+        values = src.expand(*y.shape[:dim], len(positions), *y.shape[dim + 1:])
+    except RuntimeError:
+        return False
+    if _writes_over_what_it_reads(y, values):
+        return False
+    for k, p in enumerate(positions):
+        lw.op(node, "convert", [lw.view(y.select(dim, p)), lw.view(values.select(dim, k))])
+
+
+def _lower_copy_into(lw: _Lowering, node: Node):
+    """dst.copy_(src): src broadcast to dst and converted to its dtype."""
+    dst, src = val(node.args[0]), val(node.args[1])
+    try:
+        src = src.expand(dst.shape)
+    except RuntimeError:
+        return False
+    if _writes_over_what_it_reads(dst, src):
+        return False
+    lw.op(node, "convert", [lw.view(dst), lw.view(src)])
+
+
+def _lower_roll(lw: _Lowering, node: Node):
+    """roll along one dim: two copies (y[s:] = x[:n-s], y[:s] = x[n-s:], s the
+    shift modulo n). The full sliding-window cache shifts its keys and values
+    by one position a token so."""
+    x, y = val(node.args[0]), val(node)
+    shifts = node.args[1]
+    dims = node.args[2] if len(node.args) > 2 else node.kwargs.get("dims", [])
+    if len(shifts) != 1 or len(dims) != 1 or x.dim() == 0:
+        return False
+    dim = dims[0] % x.dim()
+    n = x.shape[dim]
+    if n == 0:
+        return False
+    s = shifts[0] % n
+    lw.op(node, "convert", [lw.view(y.narrow(dim, s, n - s)), lw.view(x.narrow(dim, 0, n - s))])
+    if s:
+        lw.op(node, "convert", [lw.view(y.narrow(dim, 0, s)), lw.view(x.narrow(dim, n - s, s))])
 
 
 def _lower_histc(lw: _Lowering, node: Node):
@@ -666,11 +732,13 @@ LOWERINGS = {
     aten._to_copy.default: _lower_copy,
     aten.clone.default: _lower_copy,
     aten.cat.default: _lower_cat,
+    aten.roll.default: _lower_roll,
 }
 
 INPLACE_LOWERINGS = {
     aten.index_copy_.default: _lower_kv_write,
     aten.index_put_.default: _lower_index_put,
+    aten.copy_.default: _lower_copy_into,
     aten.add_.Tensor: _binary("BINARY_ADD"),
     aten.sub_.Tensor: _binary("BINARY_SUB"),
     aten.mul_.Tensor: _binary("BINARY_MUL"),

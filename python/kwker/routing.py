@@ -62,8 +62,8 @@ def route_graph(gm: torch.fx.GraphModule, example_inputs, grad_enabled: bool = F
         return Route("inductor", f"a decode step kwker cannot replay: {unfit}")
     what = "one position" if positions == 1 else f"{positions} positions"
     if size_inputs(example_inputs):
-        return Route("decode", f"a decode step with dynamic sizes: writes a static cache at {what}; "
-                               "a plan for each call's sizes")
+        return Route("decode", f"a decode step with int inputs: writes a static cache at {what}; "
+                               "a plan for each call's sizes that tensor ops read")
     return Route("decode", f"a decode step: writes a static cache at {what}")
 
 
@@ -71,9 +71,16 @@ def cache_positions(gm: torch.fx.GraphModule) -> int | str | None:
     """On Dynamo's graph: how many positions it writes of a graph input with
     index_copy_ (a static cache), the size's symbol when that is dynamic, or
     None when it writes no cache. One in a token's decode step; more in a chunk
-    of a prefill, a verify step of prompt lookup, assisted decoding."""
+    of a prefill, a verify step of prompt lookup, assisted decoding. A full
+    sliding-window cache layer writes its one new position by copying a roll
+    of itself back into itself (transformers' StaticSlidingWindowLayer)."""
     found = None
+    rolled = {node.args[0] for node in gm.graph.nodes if node.op == "call_method" and node.target == "roll"}
     for node in gm.graph.nodes:
+        if node.op == "call_method" and node.target == "copy_" and node.args[0] in rolled \
+                and node.args[0].op == "placeholder":
+            found = found or 1
+            continue
         if not (node.op == "call_method" and node.target == "index_copy_"):
             continue
         cache, dim, _, src = (list(node.args) + [None] * 4)[:4]

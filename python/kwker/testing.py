@@ -15,9 +15,9 @@ SMALL_CONFIGS = {
     "qwen3": ("Qwen3Config", {"head_dim": 16}),
     "mistral": ("MistralConfig", {"sliding_window": None}),
     "phi3": ("Phi3Config", {"pad_token_id": 0}),
-    # Full attention in every layer: a step with transformers' sliding-window
-    # cache layers is not replayed yet (it goes to Inductor, see
-    # test_sliding_window_caches_give_eagers_tokens).
+    # Full attention in every layer: sliding-window layers, whose steps compile
+    # again as the window fills, have a test of their own
+    # (test_sliding_window_caches_give_eagers_tokens_from_one_plan_per_step).
     "gemma3": ("Gemma3TextConfig", {"head_dim": 16, "query_pre_attn_scalar": 16,
                                     "layer_types": ["full_attention", "full_attention"]}),
     "olmo2": ("Olmo2Config", {}),

@@ -386,6 +386,53 @@ def test_rows_written_by_an_index_tensor_are_a_native_step_in_place():
         plan(x.clone(), torch.tensor([3, 0, 5, 1, 2]))
 
 
+class _SlidingWindow(torch.nn.Module):
+    """A full sliding-window cache layer's step as transformers writes it: the
+    window rolled one position left, the new position written through a constant
+    index, copied back into the cache; then rolls by other shifts and dims, a
+    broadcast copy_ and constant indices that are not the last."""
+
+    def forward(self, cache, new, x):
+        rolled = cache.roll(-1, dims=-2)
+        rolled[:, :, torch.tensor([-1])] = new
+        cache.copy_(rolled)
+        x[:, torch.tensor([0, 2])] = new[0, 0, 0, :2]
+        return cache * 1, x.roll(3, 0), x.roll(-7, 1), x.roll(0, 1), torch.empty_like(x[:3]).copy_(x[0])
+
+
+def test_a_sliding_windows_roll_constant_index_and_copy_back_are_native_copies_in_place():
+    from kwker.aten_graph import trace_to_aten
+    from kwker.lower import lower_to_plan
+
+    cache, new, x = torch.randn(1, 2, 4, 3), torch.randn(1, 2, 1, 3), torch.randn(5, 4)
+    gm = trace_to_aten(_SlidingWindow(), [cache.clone(), new, x.clone()])
+    plan, report = lower_to_plan(gm, [cache.clone(), new, x.clone()], [])
+    assert report.fallback_ops == [], report.fallback_ops
+    for _ in range(3):  # the window moves on each call, in the cache's own memory
+        got_cache, want_cache, got_x, want_x = cache.clone(), cache.clone(), x.clone(), x.clone()
+        got, want = plan(got_cache, new, got_x), _SlidingWindow()(want_cache, new, want_x)
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
+        assert torch.equal(got_cache, want_cache) and torch.equal(got_x, want_x)
+        cache, new = want_cache, torch.randn(1, 2, 1, 3)
+
+
+class _RepeatedIndex(torch.nn.Module):
+    def forward(self, x, new):
+        x[:, torch.tensor([1, -3])] = new  # one position twice: which write wins is PyTorch's
+        return x * 1
+
+
+def test_a_constant_index_naming_one_position_twice_stays_pytorchs():
+    from kwker.aten_graph import trace_to_aten
+    from kwker.lower import lower_to_plan
+
+    x, new = torch.randn(2, 4), torch.randn(2, 2)
+    plan, report = lower_to_plan(trace_to_aten(_RepeatedIndex(), [x.clone(), new]), [x.clone(), new], [])
+    assert report.fallback_ops == ["aten.index_put_.default"], report.fallback_ops
+    got_x, want_x = x.clone(), x.clone()
+    assert torch.equal(plan(got_x, new)[0], _RepeatedIndex()(want_x, new)) and torch.equal(got_x, want_x)
+
+
 class _Offsets(torch.nn.Module):
     """Where each of 8 experts' rows end: a histogram of the sorted ids, summed up."""
 

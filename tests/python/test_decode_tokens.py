@@ -11,6 +11,8 @@ ties common enough that some seeds do not). Everything is seeded, so the same
 seed is found on every run.
 """
 
+import logging
+
 import pytest
 import torch
 
@@ -44,11 +46,11 @@ def min_margin_ulps(logits, dtype) -> float:
     return ((top2[..., 0] - top2[..., 1]) / ulp).min().item()
 
 
-def peaked_model(arch, dtype, prompts, max_seeds=8, **generate_kwargs):
+def peaked_model(arch, dtype, prompts, max_seeds=8, config=None, **generate_kwargs):
     """The first seed whose eager greedy paths are never decided by rounding,
-    with those paths: (model, [eager outputs])."""
+    with those paths: (model, [eager outputs]). config: as small_model's."""
     for seed in range(max_seeds):
-        model = small_model(arch, dtype=dtype, seed=seed)
+        model = small_model(arch, dtype=dtype, seed=seed, config=config)
         refs = [generate(model, p, **generate_kwargs) for p in prompts]
         if all(min_margin_ulps(r.logits, dtype) >= MIN_MARGIN_ULPS for r in refs):
             return model, refs
@@ -74,21 +76,28 @@ def test_generate_gives_eagers_tokens(arch, dtype):
         assert not [op for op in graph.fallback_ops if "grouped_mm" in op], kwker.report()
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("arch, config", [
     ("mistral", {"sliding_window": 4}),
     ("gemma3", {"sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"]}),
+    ("gemma3", {"sliding_window": 16, "layer_types": ["sliding_attention", "full_attention"]}),
 ])
-def test_sliding_window_caches_give_eagers_tokens(arch, config):
-    """The sliding-window cache layer keeps a Python int that changes every
-    token: under Dynamo's default it becomes an input after one recompile (it
-    would hit the recompile limit with dynamic=False), and that step, which
-    returns the int, goes to Inductor. The window is crossed here."""
+def test_sliding_window_caches_give_eagers_tokens_from_one_plan_per_step(arch, config, dtype, caplog):
+    """Once the window is full (at once for a window of 4 after 8 prompt tokens,
+    at the 9th new token for 16), each token's step rolls the window's keys and
+    values one position left and writes the new one last; before, it writes the
+    cache at the token's position. Either returns the layer's token count, a
+    Python int that Dynamo makes an input after one recompile. Every step is
+    replayed without fallbacks, each by one plan for every value of that int."""
     ids = torch.tensor([PROMPTS[0]])
-    model = small_model(arch, config=config)
-    ref = generate(model, ids)
-    out = generate(model, ids, kwker.compile_config())
+    model, (ref,) = peaked_model(arch, DTYPES[dtype], [ids], config=config)
+    with caplog.at_level(logging.INFO, logger="kwker.decode"):
+        out = generate(model, ids, kwker.compile_config())
     assert out.sequences.tolist() == ref.sequences.tolist()
-    assert summary.graphs()[-1].kind == "inductor", kwker.report()
+    graphs = summary.graphs()
+    assert len(graphs) >= 2 and all(g.kind == "decode-replay" for g in graphs), kwker.report()
+    assert all(not g.fallback_ops for g in graphs), kwker.report()
+    assert "a plan for sizes" not in caplog.text
 
 
 def test_batch_of_two_with_left_padding_gives_eagers_tokens():
