@@ -1,8 +1,8 @@
 """Hugging Face generate() decode speed: eager, stock Inductor, kwker (with and
 without its guard filter), kwker inner="eager".
 
-Random-weight models shaped like SmolLM2-360M, Qwen2.5-0.5B and Llama-3.2-1B
-(nothing downloaded), batch 1, a 32-token prompt, a static cache of 1024
+Random-weight models shaped like SmolLM2-360M, Qwen2.5-0.5B, Llama-3.2-1B,
+Gemma-3-270M and a small Mixtral (nothing downloaded), batch 1, a 32-token prompt, a static cache of 1024
 positions, greedy decoding. Every backend runs in this one process, side by
 side, and the machine's read bandwidth is measured in the same run.
 

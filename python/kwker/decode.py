@@ -2,13 +2,14 @@
 
 A decode step is a CPU inference graph that writes non-parameter inputs in
 place (the cache's index_copy_ and the counter's add_ of transformers'
-StaticCache, or a full sliding-window layer's copy of its own roll): at one query position for a token, at several for a chunk of a
-chunked prefill or a verify step of prompt lookup and assisted decoding. It may
-write its own intermediates in place too (MoE routing's inverse permutation),
-never a parameter. routing.py
-recognises the candidates on Dynamo's graph, before anything is traced;
-classify_decode_step checks the ATen trace. The step is lowered to a plan
-(kwker.plan, which keeps its weight copies fresh) and never given to Inductor.
+StaticCache, or a full sliding-window layer's copy of its own roll): at one
+query position for a token, at several for a chunk of a chunked prefill or a
+verify step of prompt lookup and assisted decoding. It may write its own
+intermediates in place too (MoE routing's inverse permutation), never a
+parameter. routing.py recognises the candidates on Dynamo's graph, before
+anything is traced; classify_decode_step checks the ATen trace. The step is
+lowered to a plan (kwker.plan, which keeps its weight copies fresh) and never
+given to Inductor.
 """
 
 import logging
@@ -164,7 +165,8 @@ class IntOutputs:
         (outputs,) = next(n for n in gm.graph.nodes if n.op == "output").args
         outputs = list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]
         index = {n: i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
-        int_nodes, todo = [], [o for o in outputs if isinstance(o, torch.fx.Node) and _is_int(o.meta.get("example_value"))]
+        int_nodes = []
+        todo = [o for o in outputs if isinstance(o, torch.fx.Node) and _is_int(o.meta.get("example_value"))]
         if not todo:
             return None
         while todo:

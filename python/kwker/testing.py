@@ -49,6 +49,11 @@ BENCH_CONFIGS = {
         rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
                          "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                          "original_max_position_embeddings": 8192})),
+    # Five sliding-window layers (512 positions) to one of full attention.
+    "Gemma-3-270M": ("Gemma3TextConfig", dict(
+        vocab_size=262144, hidden_size=640, intermediate_size=2048, num_hidden_layers=18,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=256, sliding_window=512,
+        query_pre_attn_scalar=256, max_position_embeddings=32768)),
     # Mixtral's layout at a size that fits the machine (no public checkpoint is this small):
     # 8 experts, 2 per token; 0.39 B parameters, 0.13 B of them read per token.
     "Mixtral-8x2-small": ("MixtralConfig", dict(
