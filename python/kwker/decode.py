@@ -17,7 +17,7 @@ import operator
 import threading
 
 import torch
-from torch.fx.experimental.symbolic_shapes import optimization_hint
+from torch.fx.experimental.symbolic_shapes import free_symbols, optimization_hint
 
 from kwker import _C
 from kwker.lower import NotLowerable
@@ -47,8 +47,7 @@ def compile_decode_step(gm: torch.fx.GraphModule, example_inputs, glue: bool = T
     fallback ops). Raises NotLowerable when gm is not one it can replay."""
     ints = IntOutputs.split(gm, example_inputs)
     step_gm = ints.tensor_graph if ints else gm
-    placeholders = [n for n in step_gm.graph.nodes if n.op == "placeholder"]
-    sizes = [i for i, (n, x) in enumerate(zip(placeholders, example_inputs)) if isinstance(x, torch.SymInt) and n.users]
+    sizes = _sizes(step_gm, example_inputs)
     if sizes:
         step = StepPerSizes(step_gm, example_inputs, glue, sizes)
         detail = step.detail
@@ -115,6 +114,21 @@ class StepPerSizes:
     @property
     def last_call(self) -> dict | None:
         return getattr(self.last, "last_call", None)
+
+
+def _sizes(gm: torch.fx.GraphModule, example_inputs) -> list[int]:
+    """The positions of the SymInt inputs a plan must be compiled for: those a
+    node reads, and those a tensor input's shape holds (a cache length Dynamo
+    made dynamic: no node need read the symbol, the shapes carry it). Only an
+    int neither reads, such as the token count IntOutputs returns, is left out."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    symbolic = [node.meta.get("example_value", node.meta.get("val"))
+                for node, x in zip(placeholders, example_inputs) if isinstance(x, torch.Tensor)]
+    if any(t is None for t in symbolic):  # shapes unknown: every int may be one
+        return [i for i, x in enumerate(example_inputs) if isinstance(x, torch.SymInt)]
+    in_shapes = set().union(*(free_symbols(t) for t in symbolic))
+    return [i for i, (node, x) in enumerate(zip(placeholders, example_inputs))
+            if isinstance(x, torch.SymInt) and (node.users or free_symbols(x) & in_shapes)]
 
 
 def _hints(example_inputs) -> list:

@@ -416,6 +416,28 @@ def test_a_sliding_windows_roll_constant_index_and_copy_back_are_native_copies_i
         cache, new = want_cache, torch.randn(1, 2, 1, 3)
 
 
+def test_a_cache_length_made_dynamic_that_no_node_reads_still_gets_a_plan_per_length():
+    """Dynamo passes the length as a SymInt input that only the cache's shape
+    holds: it is a size all the same (decode._sizes), never an int one plan
+    could serve for every value (the lengths after the first would raise)."""
+    weight = torch.randn(8, 8)
+
+    def step(cache, x, pos):
+        cache.index_copy_(2, pos, x)
+        return (cache @ weight).sum(2)
+
+    compiled = torch.compile(step, backend="kwker")
+    for length in (8, 12, 16):
+        got_cache, want_cache = torch.zeros(1, 2, length, 8), torch.zeros(1, 2, length, 8)
+        for position in range(2):
+            x, pos = torch.randn(1, 2, 1, 8), torch.tensor([position])
+            with torch.no_grad():
+                got, want = compiled(got_cache, x, pos), step(want_cache, x, pos)
+            torch.testing.assert_close(got, want)
+            assert torch.equal(got_cache, want_cache)
+    assert [g.kind for g in summary.graphs()] == ["decode-replay"] * 2, kwker.report()
+
+
 class _RepeatedIndex(torch.nn.Module):
     def forward(self, x, new):
         x[:, torch.tensor([1, -3])] = new  # one position twice: which write wins is PyTorch's
