@@ -207,7 +207,10 @@ class _Lowering:
 
     def run(self):
         for node in self.gm.graph.nodes:
-            self.lower_node(node)
+            try:
+                self.lower_node(node)
+            except TypeError as e:  # a dtype plans do not hold (a float64 constant folded from a Python float)
+                raise NotLowerable(f"{node.name}: {e}") from e
         for out in self.outputs:
             if not isinstance(out, Node):
                 raise NotLowerable("the graph returns a non-tensor")
@@ -427,6 +430,8 @@ def _index_put_constant(lw: _Lowering, node: Node):
     dim, ids = picked[0], lw.folded[indices[picked[0]]]
     if ids.dim() != 1 or ids.dtype not in (torch.int64, torch.int32) or not 0 < len(ids) <= MAX_CONSTANT_INDICES:
         return False
+    if src.dtype != y.dtype:
+        return False  # eager raises
     n = y.shape[dim]
     positions = [int(i) + n if int(i) < 0 else int(i) for i in ids]
     if not all(0 <= p < n for p in positions) or len(set(positions)) != len(positions):

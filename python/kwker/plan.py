@@ -78,16 +78,18 @@ def inputs_written(aten_gm: torch.fx.GraphModule, example_inputs) -> list[tuple]
     """(the write, the input's placeholder, the input) for each in-place op of
     the ATen graph that writes one of its tensor inputs (any argument its schema
     marks written: a training-mode batch norm's running statistics too). What a
-    write reaches is decided by storage: a view of an input is that input."""
+    write reaches is decided by storage: a view of an input is that input, and
+    so is every other input over the same storage (a cache's keys and values
+    cut from one tensor: each must be put back after a timing run)."""
     placeholders = [n for n in aten_gm.graph.nodes if n.op == "placeholder"]
-    input_of_storage = {storage_key(n.meta["val"]): (n, x) for n, x in zip(placeholders, example_inputs)
-                        if isinstance(x, torch.Tensor)}
+    inputs_of_storage = {}
+    for n, x in zip(placeholders, example_inputs):
+        if isinstance(x, torch.Tensor):
+            inputs_of_storage.setdefault(storage_key(n.meta["val"]), []).append((n, x))
     found = []
     for n in aten_gm.graph.nodes:
         for arg in _written_args(n) if n.op == "call_function" else ():
-            written = input_of_storage.get(storage_key(arg.meta["val"]))
-            if written:
-                found.append((n, *written))
+            found += [(n, *written) for written in inputs_of_storage.get(storage_key(arg.meta["val"]), ())]
     return found
 
 

@@ -438,6 +438,24 @@ def test_a_cache_length_made_dynamic_that_no_node_reads_still_gets_a_plan_per_le
     assert [g.kind for g in summary.graphs()] == ["decode-replay"] * 2, kwker.report()
 
 
+def test_a_step_returning_a_float_of_its_int_goes_to_inductor_with_the_reason():
+    """n / 2 of an int Dynamo made an input folds to a float64 constant, which
+    plans do not hold: the compile must not fail (it raised TypeError)."""
+    weight, counter = torch.randn(8, 8), {"n": 0}
+
+    def step(cache, x, pos):
+        cache.index_copy_(2, pos, x)
+        out = (cache @ weight).sum(2), counter["n"] / 2
+        counter["n"] += 1
+        return out
+
+    compiled, cache = torch.compile(step, backend="kwker", fullgraph=True), torch.zeros(1, 2, 8, 8)
+    with torch.no_grad():
+        halves = [compiled(cache, torch.randn(1, 2, 1, 8), torch.tensor([s]))[1] for s in range(3)]
+    assert halves == [0.0, 0.5, 1.0]
+    assert any("float64" in (g.why or "") for g in summary.graphs()), kwker.report()
+
+
 class _RepeatedIndex(torch.nn.Module):
     def forward(self, x, new):
         x[:, torch.tensor([1, -3])] = new  # one position twice: which write wins is PyTorch's
@@ -453,6 +471,25 @@ def test_a_constant_index_naming_one_position_twice_stays_pytorchs():
     assert report.fallback_ops == ["aten.index_put_.default"], report.fallback_ops
     got_x, want_x = x.clone(), x.clone()
     assert torch.equal(plan(got_x, new)[0], _RepeatedIndex()(want_x, new)) and torch.equal(got_x, want_x)
+
+
+class _IntIntoFloat(torch.nn.Module):
+    def forward(self, x, new):
+        x[:, torch.tensor([1])] = new
+        return x * 1
+
+
+def test_a_constant_index_writing_another_dtype_raises_as_eager():
+    from kwker.aten_graph import trace_to_aten
+    from kwker.lower import lower_to_plan
+
+    x, new = torch.randn(2, 4), torch.ones(2, 1, dtype=torch.int64)
+    plan, report = lower_to_plan(trace_to_aten(_IntIntoFloat(), [x.clone(), new]), [x.clone(), new], [])
+    assert report.fallback_ops == ["aten.index_put_.default"], report.fallback_ops
+    with pytest.raises(RuntimeError, match="dtypes match"):
+        _IntIntoFloat()(x.clone(), new)
+    with pytest.raises(RuntimeError, match="dtypes match"):
+        plan(x.clone(), new)
 
 
 class _Offsets(torch.nn.Module):

@@ -168,6 +168,28 @@ def test_a_graph_that_writes_its_input_is_tuned_with_the_input_put_back_after_ev
     assert graph.kind == "tuned" and {"inductor", "eager"} <= set(graph.candidates), kwker.report()
 
 
+def test_inputs_over_one_storage_are_all_put_back_after_every_run():
+    """Keys and values cut from one buffer, each shifted in place by a call: the
+    plan refuses inputs that share storage, so the graph is tuned, and each of
+    the two must be put back after each timing run (a bug restored one)."""
+    def shift(keys, values, k, v):
+        keys[:-1] = keys[1:].clone()
+        keys[-1:] = k
+        values.mul_(v)
+        return keys.sum() + values.sum()
+
+    buffer = torch.randn(2, 4, 3)
+    ref = buffer.clone()
+    with torch.no_grad():
+        compiled = torch.compile(shift, backend="kwker")
+        for step in range(3):
+            k, v = torch.full((1, 3), float(step)), torch.tensor(2.0)
+            torch.testing.assert_close(compiled(buffer[0], buffer[1], k, v), shift(ref[0], ref[1], k, v))
+            assert torch.equal(buffer, ref), step
+    (graph,) = summary.graphs()
+    assert graph.kind == "tuned", kwker.report()
+
+
 def test_a_graph_that_writes_more_than_tuning_would_copy_runs_once_by_inductor(monkeypatch):
     import kwker.dynamo_backend
 
