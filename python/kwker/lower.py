@@ -465,12 +465,10 @@ def _lower_roll(lw: _Lowering, node: Node):
     x, y = val(node.args[0]), val(node)
     shifts = node.args[1]
     dims = node.args[2] if len(node.args) > 2 else node.kwargs.get("dims", [])
-    if len(shifts) != 1 or len(dims) != 1 or x.dim() == 0:
+    if len(shifts) != 1 or len(dims) != 1 or x.dim() == 0 or x.numel() == 0:  # empty: no copies to make
         return False
     dim = dims[0] % x.dim()
     n = x.shape[dim]
-    if n == 0:
-        return False
     s = shifts[0] % n
     lw.op(node, "convert", [lw.view(y.narrow(dim, s, n - s)), lw.view(x.narrow(dim, 0, n - s))])
     if s:
