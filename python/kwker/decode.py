@@ -152,8 +152,7 @@ class IntOutputs:
     own ints. An int input that only these nodes read changes nothing the plan
     computes: the step does not depend on its value (compile_decode_step)."""
 
-    def __init__(self, gm: torch.fx.GraphModule, outputs: list, int_nodes: list[torch.fx.Node]):
-        int_nodes = [n for n in gm.graph.nodes if n in set(int_nodes)]  # in the graph's order
+    def __init__(self, gm: torch.fx.GraphModule, outputs: list, int_nodes: set[torch.fx.Node]):
         tensor_graph, int_graph = torch.fx.Graph(), torch.fx.Graph()
         env_t, env_i = {}, {}
         for node in gm.graph.nodes:
@@ -162,10 +161,10 @@ class IntOutputs:
             env_t[node] = tensor_graph.node_copy(node, env_t.__getitem__)
             if node.op == "placeholder" or node in int_nodes:
                 env_i[node] = int_graph.node_copy(node, env_i.__getitem__)
-        self.is_int = [o in int_nodes for o in outputs]
+        self.is_int = [isinstance(o, torch.fx.Node) and o in int_nodes for o in outputs]
         tensor_graph.output(tuple(env_t[o] for o, i in zip(outputs, self.is_int) if not i))
-        for node in reversed(int_nodes):  # what only made the ints, so that their inputs have no users left
-            if not env_t[node].users:
+        for node in reversed(gm.graph.nodes):  # what only made the ints, so that their inputs have no users left
+            if node in int_nodes and not env_t[node].users:
                 tensor_graph.erase_node(env_t[node])
         int_graph.output(tuple(env_i[o] for o, i in zip(outputs, self.is_int) if i))
         self.tensor_graph = torch.fx.GraphModule(gm, tensor_graph)
@@ -179,7 +178,7 @@ class IntOutputs:
         (outputs,) = next(n for n in gm.graph.nodes if n.op == "output").args
         outputs = list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]
         index = {n: i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
-        int_nodes = []
+        int_nodes = set()
         todo = [o for o in outputs if isinstance(o, torch.fx.Node) and _is_int(o.meta.get("example_value"))]
         if not todo:
             return None
@@ -196,8 +195,8 @@ class IntOutputs:
                 todo.extend(a for a in node.args if isinstance(a, torch.fx.Node))
                 if not all(isinstance(a, (torch.fx.Node, int)) for a in node.args):
                     return None
-            int_nodes.append(node)
-        return cls(gm, outputs, [n for n in int_nodes if n.op != "placeholder"])
+            int_nodes.add(node)
+        return cls(gm, outputs, {n for n in int_nodes if n.op != "placeholder"})
 
     def around(self, step) -> "IntOutputs":
         self.step = step

@@ -100,8 +100,9 @@ def choose(builders: dict[str, Callable[[], Callable]], inputs: list, reference:
     gates: name -> a Gate, asked before that candidate is built (a compile
     that cannot win is not paid for). It is given steady times: each candidate
     built so far whose outputs agree with the truth's (none before the truth is
-    built) is run once more, as the first round of timing (a first run pays one-off costs: Inductor's has
-    measured 20-80x its later calls on small graphs)."""
+    built) is run once more, as the first round of timing (a first run pays
+    one-off costs: Inductor's has measured 20-80x its later calls on small
+    graphs)."""
     saved = [(x, x.detach().clone()) for x in written]
 
     def run_and_restore(fn):
