@@ -10,6 +10,12 @@
  * kv_write: cache[b, h, pos[t], :] = src[b, h, t, :] — Tensor.index_copy_(2, pos,
  *   src) on a static KV cache, in place. A position outside [0, S) is reported
  *   and skipped.
+ * kv_shift: cache[b, h, :S-1, :] = cache[b, h, 1:, :]; cache[b, h, S-1, :] =
+ *   src[b, h, 0, :] — a full sliding-window cache taking one position, in place
+ *   (transformers writes it as roll(-1), a write of the last position and a copy
+ *   back: three passes over the cache and a copy of it). Each thread moves its
+ *   own columns of whole (b, h) slices, row after row upwards, so no thread
+ *   reads a row another has already overwritten.
  * index_put: y[ids[i], :] = src[i, :] — Tensor.index_put_((ids,), src) with one
  *   index tensor, in place (a mixture of experts' inverse permutation). */
 #include "kw_ops_impl.h"
@@ -116,6 +122,50 @@ const kw_op_info kw_op_info_kv_write = {
     .arg = {{"cache", KW_MODIFY, 0}, {"src", KW_READ, 0}, {"pos", KW_READ, 0}},
     .prepare = kv_write_prepare,
     .kernel = kv_write_kernel,
+};
+
+/* ---- kv_shift: slots cache [B, H, S, D] (modified), src [B, H, 1, D] ---- */
+
+static int kv_shift_prepare(const kw_call *c, kw_isa isa, void *prep, char *msg, size_t len) {
+    const kw_tensor *cache = &c->t[0], *src = &c->t[1];
+    if (!kw__present(cache) || !kw__is_float(cache->dtype) || cache->ndim != 4 || cache->shape[2] < 1 ||
+        (cache->shape[3] > 1 && cache->stride[3] != 1) || (cache->shape[2] > 1 && cache->stride[2] < cache->shape[3]))
+        return kw__fail(msg, len, KW_ESHAPE,
+                        "kv_shift: cache must be float32 or bfloat16 [B, H, S, D], S >= 1, with contiguous D and "
+                        "rows that do not overlap (got %s)", kw__shape(cache).s);
+    if (!kw__present(src) || src->dtype != cache->dtype || src->ndim != 4 || src->shape[0] != cache->shape[0] ||
+        src->shape[1] != cache->shape[1] || src->shape[2] != 1 || src->shape[3] != cache->shape[3] ||
+        (src->shape[3] > 1 && src->stride[3] != 1))
+        return kw__fail(msg, len, KW_ESHAPE, "kv_shift: src must be [B, H, 1, D] of cache %s's dtype with contiguous D (got %s)",
+                        kw__shape(cache).s, kw__shape(src).s);
+    return 0;
+}
+
+static void kv_shift_kernel(const kw_call *c, int ith, int nth) {
+    const kw_tensor *cache = &c->t[0], *src = &c->t[1];
+    const int64_t H = cache->shape[1], S = cache->shape[2], D = cache->shape[3], slices = cache->shape[0] * H;
+    const size_t es = kw_dtype_size(cache->dtype);
+    /* Fewer slices than threads (one KV head): each slice's columns in parts. */
+    const int64_t parts = slices >= nth ? 1 : KW__MIN((nth + slices - 1) / slices, (D + 15) / 16);
+    const int64_t width = (D + parts - 1) / parts;
+    int64_t u0, u1;
+    kw__split(slices * parts, 1, ith, nth, &u0, &u1);
+    for (int64_t u = u0; u < u1; u++) {
+        const int64_t b = u / parts / H, h = u / parts % H, d0 = u % parts * width, n = KW__MIN(width, D - d0);
+        if (n <= 0) continue;
+        char *row = kw__ptr(cache, b * cache->stride[0] + h * cache->stride[1] + d0);
+        const int64_t step = cache->stride[2] * (int64_t)es;
+        for (int64_t s = 0; s + 1 < S; s++, row += step) memcpy(row, row + step, (size_t)n * es);
+        memcpy(row, kw__ptr(src, b * src->stride[0] + h * src->stride[1] + d0), (size_t)n * es);
+    }
+}
+
+const kw_op_info kw_op_info_kv_shift = {
+    .name = "kv_shift",
+    .n_tensors = 2,
+    .arg = {{"cache", KW_MODIFY, 0}, {"src", KW_READ, 0}},
+    .prepare = kv_shift_prepare,
+    .kernel = kv_shift_kernel,
 };
 
 /* ---- index_put: slots y [V, D] (modified), ids [N] (int64 or int32), src [N, D] ----

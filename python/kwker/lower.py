@@ -57,6 +57,8 @@ class _Lowering:
         self.buffers: dict[int, tuple[int, int]] = {}  # storage -> (buffer id, element offset of its start)
         self.views: dict[tuple, int] = {}
         self.folded: dict[Node, torch.Tensor] = {}  # nodes evaluated at compile time
+        self.done: set[Node] = set()  # nodes another node's lowering has carried out
+        self.order = {n: i for i, n in enumerate(gm.graph.nodes)}
         self.report = LoweringReport()
         self.placeholder_index = {n: i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
         out_node = next(n for n in gm.graph.nodes if n.op == "output")
@@ -163,8 +165,8 @@ class _Lowering:
             self.lower_call(node)
 
     def lower_call(self, node: Node):
-        if node.target is operator.getitem:
-            return  # the producing op declared every output it writes
+        if node.target is operator.getitem or node in self.done:
+            return  # the producing op declared every output it writes; or another step did this one
         inputs = [a for a in _flat((node.args, node.kwargs)) if isinstance(a, Node)]
         if all(a in self.folded for a in inputs):
             return self.fold(node)
@@ -190,9 +192,7 @@ class _Lowering:
             self.fallback(node, str(e))
 
     def fold(self, node: Node):
-        args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda a: self.folded[a])
-        with torch._subclasses.fake_tensor.unset_fake_temporarily():
-            result = node.target(*args, **kwargs)
+        result = _evaluate(node, self.folded)
         if not isinstance(result, torch.Tensor):
             raise NotLowerable(f"{node.name} folds to a {type(result).__name__}")
         self.declare_constant(node, result.contiguous() if _is_view_op(node) else result)
@@ -216,6 +216,27 @@ class _Lowering:
                 raise NotLowerable("the graph returns a non-tensor")
             self.b.output(self.view(val(out)))
         return self.b.finish(torch.get_num_threads(), n_args=len(self.example_inputs))
+
+
+    def constant(self, node: Node) -> torch.Tensor | None:
+        """node's value when the graph computes it from constants alone (a tensor
+        literal), evaluated ahead of its turn where a lowering needs it then."""
+        if node in self.folded:
+            return self.folded[node]
+        if node.op == "get_attr" and node.target not in self.copies:
+            return getattr(self.gm, node.target)
+        inputs = [a for a in _flat((node.args, node.kwargs)) if isinstance(a, Node)]
+        if node.op != "call_function" or node.target is operator.getitem:
+            return None
+        values = {a: self.constant(a) for a in inputs}
+        return None if any(v is None for v in values.values()) else _evaluate(node, values)
+
+
+def _evaluate(node: Node, values: dict) -> object:
+    """node's op run on real tensors: values holds each input node's."""
+    args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), values.__getitem__)
+    with torch._subclasses.fake_tensor.unset_fake_temporarily():
+        return node.target(*args, **kwargs)
 
 
 class _FallbackCall:
@@ -460,8 +481,8 @@ def _lower_copy_into(lw: _Lowering, node: Node):
 
 def _lower_roll(lw: _Lowering, node: Node):
     """roll along one dim: two copies (y[s:] = x[:n-s], y[:s] = x[n-s:], s the
-    shift modulo n). The full sliding-window cache shifts its keys and values
-    by one position a token so."""
+    shift modulo n), or, as a full sliding-window cache takes a position,
+    one kv_shift in place (_cache_shift)."""
     x, y = val(node.args[0]), val(node)
     shifts = node.args[1]
     dims = node.args[2] if len(node.args) > 2 else node.kwargs.get("dims", [])
@@ -470,9 +491,53 @@ def _lower_roll(lw: _Lowering, node: Node):
     dim = dims[0] % x.dim()
     n = x.shape[dim]
     s = shifts[0] % n
+    if s == n - 1 and _cache_shift(lw, node, dim):
+        return
     lw.op(node, "convert", [lw.view(y.narrow(dim, s, n - s)), lw.view(x.narrow(dim, 0, n - s))])
     if s:
         lw.op(node, "convert", [lw.view(y.narrow(dim, 0, s)), lw.view(x.narrow(dim, n - s, s))])
+
+
+def _cache_shift(lw: _Lowering, roll: Node, dim: int) -> bool:
+    """transformers' full sliding-window cache takes a token as
+        t = cache.roll(-1, dims=2); t[:, :, tensor([-1])] = src; cache.copy_(t)
+    which reads and writes the whole cache twice. When t is read by nothing
+    else and nothing in between touches the cache, the three are one kv_shift
+    in place, at the roll: its result is the cache the copy_ leaves. The
+    index_put_ and copy_ are then done (lw.done)."""
+    cache = roll.args[0]
+    users = list(roll.users)
+    put = next((u for u in users if u.target is aten.index_put_.default and u.args[0] is roll), None)
+    copy = next((u for u in [*users, *(put.users if put else ())]
+                 if u.target is aten.copy_.default and u.args[0] is cache and u.args[1] in (roll, put)), None)
+    if dim != 2 or put is None or copy is None or set(users) - {put, copy} or set(put.users) - {copy}:
+        return False
+    indices, src = put.args[1], put.args[2]
+    if len(put.args) > 3 or put.kwargs or len(indices) != 3 or indices[:2] != [None, None]:
+        return False
+    n, ids = val(cache).shape[2], lw.constant(indices[2]) if isinstance(indices[2], Node) else None
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 1 or ids.numel() != 1 or ids.dtype not in (torch.int64, torch.int32) or int(ids[0]) % n != n - 1:
+        return False
+    if not isinstance(src, Node) or storage_key(val(src)) not in lw.buffers:
+        return False  # src's values are made after the roll
+    x, v = val(cache), val(src)
+    try:  # src broadcast to the position written, as index_put_ does
+        v = v.expand(x.narrow(2, n - 1, 1).shape)
+    except RuntimeError:
+        return False
+    if v.dtype != x.dtype or storage_key(v) == storage_key(x):
+        return False
+    for nd in lw.gm.graph.nodes:  # between the roll and the copy_: nothing reads the cache or writes src
+        if lw.order[roll] < lw.order[nd] < lw.order[copy] and nd is not put:
+            touched = {storage_key(t) for a in _flat((nd.args, nd.kwargs)) if isinstance(a, Node) for t in _tensor_vals(a)}
+            if storage_key(x) in touched or (_is_inplace_op(nd) and storage_key(v) in touched):
+                return False
+    try:
+        lw.op(roll, "kv_shift", [lw.view(x), lw.view(v)])
+    except _Rejected:
+        return False
+    lw.done.update((put, copy))
+    return True
 
 
 def _lower_histc(lw: _Lowering, node: Node):

@@ -253,6 +253,50 @@ Test(kv_write, writes_rows_at_positions_in_place) {
     }
 }
 
+/* ---- kv_shift: slots cache 0, src 1 ---- */
+
+Test(kv_shift, moves_every_row_up_one_and_writes_src_last_in_place) {
+    tt_rng r = {47};
+    for (int trial = 0; trial < 8; trial++) {
+        const kw_dtype dt = fdt[trial % 2];
+        /* one slice (a single KV head: columns split among threads), several, and S of 1 */
+        const int64_t B = trial / 2 % 2 ? 2 : 1, H = trial / 2 % 2 ? 3 : 1, S = trial / 4 ? 9 : 1, D = 40;
+        tt_case k = {0};
+        kw_tensor *cache = tt_padded(&k, 0, dt, 4, TT_DIMS(B, H, S, D), 2, -1, 1, &r);
+        kw_tensor *src = tt_tensor(&k, 1, dt, 4, TT_DIMS(B, H, 1, D), TT_DIMS(H * D, D, D, 1), -1, 1, &r);
+        tt_case before = {0};
+        tt_tensor(&before, 0, dt, 1, TT_DIMS((int64_t)(k.bytes[0] / kw_dtype_size(dt))), NULL, 0, 0, &r);
+        memcpy(before.mem[0], k.mem[0], k.bytes[0]);
+        tt_check_variants(KW_OP_KV_SHIFT, &k, exact, "kv_shift");
+        kw_tensor old = *cache;
+        old.data = before.mem[0];
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t h = 0; h < H; h++)
+                for (int64_t s = 0; s < S; s++)
+                    for (int64_t d = 0; d < D; d++) {
+                        const double want = s + 1 < S ? tt_get(&old, (int64_t[]){b, h, s + 1, d})
+                                                       : tt_get(src, (int64_t[]){b, h, 0, d});
+                        cr_assert_eq(tt_get(cache, (int64_t[]){b, h, s, d}), want, "trial %d [%lld,%lld,%lld,%lld]",
+                                     trial, (long long)b, (long long)h, (long long)s, (long long)d);
+                    }
+        if (S > 1) /* the padding after a row is left as it was */
+            cr_assert_eq(memcmp((char *)k.mem[0] + D * kw_dtype_size(dt), (char *)before.mem[0] + D * kw_dtype_size(dt),
+                                2 * kw_dtype_size(dt)), 0, "trial %d", trial);
+        tt_free(&before);
+        tt_free(&k);
+    }
+    tt_case k = {0};
+    tt_tensor(&k, 0, KW_F32, 4, TT_DIMS(1, 1, 4, 8), TT_DIMS(32, 32, 4, 1), -1, 1, &r); /* rows overlap */
+    tt_tensor(&k, 1, KW_F32, 4, TT_DIMS(1, 1, 1, 8), NULL, -1, 1, &r);
+    tt_expect_reject(KW_OP_KV_SHIFT, &k.c, KW_ESHAPE, "kv_shift: cache must be");
+    tt_free(&k);
+    tt_case m = {0};
+    tt_tensor(&m, 0, KW_F32, 4, TT_DIMS(1, 1, 4, 8), NULL, -1, 1, &r);
+    tt_tensor(&m, 1, KW_BF16, 4, TT_DIMS(1, 1, 1, 8), NULL, -1, 1, &r);
+    tt_expect_reject(KW_OP_KV_SHIFT, &m.c, KW_ESHAPE, "kv_shift: src must be");
+    tt_free(&m);
+}
+
 /* ---- attention: slots out 0, q 1, k_cache 2, v_cache 3, mask 4; fp[0] scale ---- */
 
 enum mask_kind { MASK_NONE, MASK_BOOL, MASK_F32, MASK_BF16, MASK_KINDS };

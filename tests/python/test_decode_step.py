@@ -400,20 +400,48 @@ class _SlidingWindow(torch.nn.Module):
         return cache * 1, x.roll(3, 0), x.roll(-7, 1), x.roll(0, 1), torch.empty_like(x[:3]).copy_(x[0])
 
 
-def test_a_sliding_windows_roll_constant_index_and_copy_back_are_native_copies_in_place():
+class _SlidingWindowReadBetween(torch.nn.Module):
+    """The same window step with the cache read between the roll and the copy
+    back, and the rolled window read after it: each must see what eager sees,
+    so the three stay separate copies."""
+
+    def forward(self, cache, new, x):
+        rolled = cache.roll(-1, dims=-2)
+        rolled[:, :, torch.tensor([-1])] = new
+        before = cache.sum(-1)
+        cache.copy_(rolled)
+        return before, rolled * 2
+
+
+class _SlidingWindowOtherPosition(_SlidingWindow):
+    """The rolled window written at its first position, not its last: not a shift."""
+
+    def forward(self, cache, new, x):
+        rolled = cache.roll(-1, dims=-2)
+        rolled[:, :, torch.tensor([0])] = new
+        cache.copy_(rolled)
+        return (cache * 1,)
+
+
+@pytest.mark.parametrize("module, shifts", [(_SlidingWindow, 1), (_SlidingWindowReadBetween, 0),
+                                            (_SlidingWindowOtherPosition, 0)])
+def test_a_sliding_windows_roll_constant_index_and_copy_back_are_native_steps_in_place(module, shifts):
+    """Where nothing else reads the rolled window or the cache in between, the
+    three are one kv_shift in the cache's own memory; elsewhere native copies."""
     from kwker.aten_graph import trace_to_aten
     from kwker.lower import lower_to_plan
 
-    cache, new, x = torch.randn(1, 2, 4, 3), torch.randn(1, 2, 1, 3), torch.randn(5, 4)
-    gm = trace_to_aten(_SlidingWindow(), [cache.clone(), new, x.clone()])
+    cache, new, x = torch.randn(1, 2, 4, 3), torch.randn(1, 1, 1, 3), torch.randn(5, 4)  # new broadcast over heads
+    gm = trace_to_aten(module(), [cache.clone(), new, x.clone()])
     plan, report = lower_to_plan(gm, [cache.clone(), new, x.clone()], [])
     assert report.fallback_ops == [], report.fallback_ops
+    assert plan.dump().count(" kv_shift ") == shifts
     for _ in range(3):  # the window moves on each call, in the cache's own memory
         got_cache, want_cache, got_x, want_x = cache.clone(), cache.clone(), x.clone(), x.clone()
-        got, want = plan(got_cache, new, got_x), _SlidingWindow()(want_cache, new, want_x)
+        got, want = plan(got_cache, new, got_x), module()(want_cache, new, want_x)
         assert all(torch.equal(g, w) for g, w in zip(got, want))
         assert torch.equal(got_cache, want_cache) and torch.equal(got_x, want_x)
-        cache, new = want_cache, torch.randn(1, 2, 1, 3)
+        cache, new = want_cache, torch.randn(1, 1, 1, 3)
 
 
 def test_a_cache_length_made_dynamic_that_no_node_reads_still_gets_a_plan_per_length():

@@ -98,6 +98,18 @@ def test_sliding_window_caches_give_eagers_tokens_from_one_plan_per_step(arch, c
     assert len(graphs) >= 2 and all(g.kind == "decode-replay" for g in graphs), kwker.report()
     assert all(not g.fallback_ops for g in graphs), kwker.report()
     assert "a plan for sizes" not in caplog.text
+    # the full window's step shifts each sliding layer's keys and values in place
+    types = getattr(model.config, "layer_types", None) or ["sliding_attention"] * model.config.num_hidden_layers  # Mistral
+    sliding = types.count("sliding_attention")
+    assert max(p.dump().count(" kv_shift ") for g in graphs for p in plans_of(g.plan())) == 2 * sliding
+
+
+def plans_of(step) -> list:
+    """The plans behind a replayed step: itself, a step's per-size plans, or an
+    IntOutputs' step."""
+    if hasattr(step, "plans"):
+        return [p for plan in step.plans.values() for p in plans_of(plan)]
+    return plans_of(step.step) if hasattr(step, "step") else [step]
 
 
 def test_batch_of_two_with_left_padding_gives_eagers_tokens():
