@@ -751,6 +751,24 @@ def _lower_cat(lw: _Lowering, node: Node):
         start += val(t).shape[dim]
 
 
+def _lower_stack(lw: _Lowering, node: Node):
+    """One copy per input into its index of the output (GPT-J's and CodeGen's
+    interleaved rotary stack their halves)."""
+    out = val(node)
+    dim = (node.args[1] if len(node.args) > 1 else 0) % out.dim()
+    for i, t in enumerate(node.args[0]):
+        lw.op(node, "convert", [lw.view(out.select(dim, i)), lw.view(val(t))])
+
+
+def _lower_square(lw: _Lowering, node: Node):
+    """x ** 2 as x * x, which is what ATen computes for that exponent (a squared
+    ReLU's square, a norm's mean of squares); other exponents stay PyTorch's."""
+    x, exponent = node.args
+    if isinstance(exponent, bool) or exponent != 2 or val(x).dtype != val(node).dtype:
+        return False
+    lw.op(node, "binary", [lw.view(val(node)), lw.view(val(x)), lw.view(val(x))], [P["BINARY_MUL"]], [0.0])
+
+
 def _lower_kv_write(lw: _Lowering, node: Node):
     cache, dim, pos, src = node.args
     if dim % val(cache).dim() != 2:
@@ -800,6 +818,8 @@ LOWERINGS = {
     aten._to_copy.default: _lower_copy,
     aten.clone.default: _lower_copy,
     aten.cat.default: _lower_cat,
+    aten.stack.default: _lower_stack,
+    aten.pow.Tensor_Scalar: _lower_square,
     aten.roll.default: _lower_roll,
 }
 

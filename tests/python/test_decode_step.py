@@ -664,6 +664,26 @@ def test_an_integer_floor_division_by_zero_falls_back_and_raises_as_eager():
         plan(x)
 
 
+class _StackAndSquare(torch.nn.Module):
+    """GPT-J's interleaved rotary stacks its halves; a squared ReLU squares."""
+
+    def forward(self, x, h):
+        rotated = torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
+        return rotated, torch.relu(h).pow(2), h.pow(2.0), h.pow(3), (h > 0).pow(2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_stacks_and_squares_are_native_steps_equal_to_eagers_and_other_powers_fall_back(dtype):
+    from kwker.aten_graph import trace_to_aten
+    from kwker.lower import lower_to_plan
+
+    x, h = torch.randn(1, 4, 1, 8, dtype=dtype), torch.randn(3, 40, dtype=dtype) * 50
+    plan, report = lower_to_plan(trace_to_aten(_StackAndSquare(), [x, h]), [x, h], [])
+    assert report.fallback_ops.count("aten.pow.Tensor_Scalar") == 2, report.fallback_ops  # h ** 3, bool ** 2
+    for got, want in zip(plan(x, h), _StackAndSquare()(x, h)):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+
+
 class _Sums(torch.nn.Module):
     def forward(self, x):
         return torch.ops.aten.sum.dim_IntList(x, None), x.sum(0), x.sum(-1, keepdim=True), x.sum(1, dtype=torch.int64)
