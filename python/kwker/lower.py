@@ -751,6 +751,24 @@ def _lower_cat(lw: _Lowering, node: Node):
         start += val(t).shape[dim]
 
 
+def _lower_clamp(lw: _Lowering, node: Node):
+    """clamp(x, lo, hi) between Python numbers, in place or not: a maximum with
+    lo, then a minimum with hi, each keeping a NaN as clamp does (OLMo clips
+    its queries, keys and values so)."""
+    x = val(node.args[0])
+    bounds = [*node.args[1:], None, None][:2]
+    lo, hi = node.kwargs.get("min", bounds[0]), node.kwargs.get("max", bounds[1])
+    if x.dtype not in (torch.float32, torch.bfloat16) or val(node).dtype != x.dtype or (lo is None and hi is None):
+        return False
+    steps = [(P[name], _binary_scalar(name, x, b)) for name, b in (("BINARY_MAX", lo), ("BINARY_MIN", hi)) if b is not None]
+    if any(scalar is None for _, scalar in steps) or (_is_inplace_op(node) and _writes_over_what_it_reads(x)):
+        return False
+    y, source = lw.view(x if _is_inplace_op(node) else val(node)), lw.view(x)
+    for op, scalar in steps:
+        lw.op(node, "binary", [y, source, None], [op], [scalar])
+        source = y
+
+
 def _lower_stack(lw: _Lowering, node: Node):
     """One copy per input into its index of the output (GPT-J's and CodeGen's
     interleaved rotary stack their halves)."""
@@ -819,6 +837,7 @@ LOWERINGS = {
     aten.clone.default: _lower_copy,
     aten.cat.default: _lower_cat,
     aten.stack.default: _lower_stack,
+    aten.clamp.default: _lower_clamp,
     aten.pow.Tensor_Scalar: _lower_square,
     aten.roll.default: _lower_roll,
 }
@@ -827,6 +846,7 @@ INPLACE_LOWERINGS = {
     aten.index_copy_.default: _lower_kv_write,
     aten.index_put_.default: _lower_index_put,
     aten.copy_.default: _lower_copy_into,
+    aten.clamp_.default: _lower_clamp,
     aten.add_.Tensor: _binary("BINARY_ADD"),
     aten.sub_.Tensor: _binary("BINARY_SUB"),
     aten.mul_.Tensor: _binary("BINARY_MUL"),

@@ -672,6 +672,15 @@ class _StackAndSquare(torch.nn.Module):
         return rotated, torch.relu(h).pow(2), h.pow(2.0), h.pow(3), (h > 0).pow(2)
 
 
+class _Clamps(torch.nn.Module):
+    """OLMo clips its queries, keys and values in place; bounds that bf16 cannot hold."""
+
+    def forward(self, x):
+        y = x * 1
+        y.clamp_(min=-8.1, max=8.1)
+        return y, x.clamp(max=3.3), x.clamp(-0.7), x.clamp(5.0, -5.0)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_stacks_and_squares_are_native_steps_equal_to_eagers_and_other_powers_fall_back(dtype):
     from kwker.aten_graph import trace_to_aten
@@ -682,6 +691,20 @@ def test_stacks_and_squares_are_native_steps_equal_to_eagers_and_other_powers_fa
     assert report.fallback_ops.count("aten.pow.Tensor_Scalar") == 2, report.fallback_ops  # h ** 3, bool ** 2
     for got, want in zip(plan(x, h), _StackAndSquare()(x, h)):
         assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_clamps_between_numbers_are_native_steps_equal_to_eagers_nans_kept(dtype):
+    from kwker.aten_graph import trace_to_aten
+    from kwker.lower import lower_to_plan
+
+    x = torch.randn(4, 64, dtype=dtype) * 6
+    x[0, :3] = torch.tensor([float("nan"), 8.125, -8.0625])
+    plan, report = lower_to_plan(trace_to_aten(_Clamps(), [x]), [x], [])
+    assert report.fallback_ops == [], report.fallback_ops
+    for got, want in zip(plan(x), _Clamps()(x)):
+        assert got.dtype == want.dtype and torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0))
+        assert torch.equal(got.isnan(), want.isnan())
 
 
 class _Sums(torch.nn.Module):
