@@ -25,6 +25,8 @@ SMALL_CONFIGS = {
     # float x int64 slopes and baddbmm attention. Neither may fail a compile.
     "ministral3": ("Ministral3Config", {"head_dim": 16}),
     "bloom": ("BloomConfig", {}),
+    # Attention and MLP in parallel on one norm's output: five linears over one input.
+    "cohere": ("CohereConfig", {}),
     # Mixture of experts: top-2 routing, its sort and inverse permutation written
     # in place, the experts' grouped matmuls (fallback steps of the plan).
     "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}),

@@ -70,6 +70,8 @@ def test_generate_gives_eagers_tokens(arch, dtype):
         out = generate(model, ids, kwker.compile_config())
         assert out.sequences.tolist() == ref.sequences.tolist()
     assert len(replayed_graphs()) == 1, kwker.report()
+    (graph,) = replayed_graphs()  # kwker's own ops all native: none is a fallback step
+    assert not [op for op in graph.fallback_ops if op.startswith("kwker.")], kwker.report()
     if arch in MIXTURES_OF_EXPERTS:  # the experts ran natively, not as PyTorch's grouped matmuls
         (graph,) = replayed_graphs()
         assert graph.rewrites.get("grouped_linear") == 2 * model.config.num_hidden_layers, kwker.report()

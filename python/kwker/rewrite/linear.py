@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from kwker import weights
-from kwker.custom_ops import ops
+from kwker.custom_ops import LINEAR_MULTI_OUTPUTS, ops
 from kwker.rewrite.match import aten, is_call, val
 
 
@@ -30,10 +30,11 @@ def reserved_copy_bytes(gm: torch.fx.GraphModule, example_inputs) -> int:
         bias = inputs.get(n.args[2]) if len(n.args) > 2 else None  # Dynamo passes nn.Linear's bias positionally
         groups.setdefault((n.args[0], w.dtype, bias is None), []).append((w, bias))
     total = 0
-    for (x, _, _), members in groups.items():
+    for (x, _, _), group in groups.items():
         rows = weights.rows_per_call(x.meta["example_value"]) if "example_value" in x.meta else 1
-        total += weights.copy_bytes([w for w, _ in members], [b for _, b in members if isinstance(b, torch.Tensor)],
-                                    rows)
+        for members in _calls(group):
+            total += weights.copy_bytes([w for w, _ in members],
+                                        [b for _, b in members if isinstance(b, torch.Tensor)], rows)
     return total
 
 
@@ -112,7 +113,17 @@ def _group_by_input(linears):
     for m in linears:
         key = (_input_key(m.x), val(m.weight).dtype, m.bias is None)
         groups.setdefault(key, []).append(m)
-    return list(groups.values())
+    return [call for group in groups.values() for call in _calls(group)]
+
+
+def _calls(group: list) -> list[list]:
+    """A group of linears over one input as calls of at most LINEAR_MULTI_OUTPUTS
+    outputs each, as even as can be (Cohere's parallel block reads its norm's
+    output with q, k, v, gate and up: 3 + 2)."""
+    n = -(-len(group) // LINEAR_MULTI_OUTPUTS)
+    size, extra = divmod(len(group), n)
+    starts = [i * size + min(i, extra) for i in range(n + 1)]
+    return [group[a:b] for a, b in zip(starts, starts[1:])]
 
 
 def _rewrite_group(gm, group: list[_Linear], params, storage: weights.Storage, arena, copies) -> None:
