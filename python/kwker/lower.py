@@ -516,7 +516,8 @@ def _cache_shift(lw: _Lowering, roll: Node, dim: int) -> bool:
     if len(put.args) > 3 or put.kwargs or len(indices) != 3 or indices[:2] != [None, None]:
         return False
     n, ids = val(cache).shape[2], lw.constant(indices[2]) if isinstance(indices[2], Node) else None
-    if not isinstance(ids, torch.Tensor) or ids.dim() != 1 or ids.numel() != 1 or ids.dtype not in (torch.int64, torch.int32) or int(ids[0]) % n != n - 1:
+    if (not isinstance(ids, torch.Tensor) or ids.shape != (1,) or ids.dtype not in (torch.int64, torch.int32)
+            or int(ids[0]) % n != n - 1):
         return False
     if not isinstance(src, Node) or storage_key(val(src)) not in lw.buffers:
         return False  # src's values are made after the roll
@@ -529,7 +530,8 @@ def _cache_shift(lw: _Lowering, roll: Node, dim: int) -> bool:
         return False
     for nd in lw.gm.graph.nodes:  # between the roll and the copy_: nothing reads the cache or writes src
         if lw.order[roll] < lw.order[nd] < lw.order[copy] and nd is not put:
-            touched = {storage_key(t) for a in _flat((nd.args, nd.kwargs)) if isinstance(a, Node) for t in _tensor_vals(a)}
+            touched = {storage_key(t) for a in _flat((nd.args, nd.kwargs)) if isinstance(a, Node)
+                       for t in _tensor_vals(a)}
             if storage_key(x) in touched or (_is_inplace_op(nd) and storage_key(v) in touched):
                 return False
     try:
@@ -760,7 +762,8 @@ def _lower_clamp(lw: _Lowering, node: Node):
     lo, hi = node.kwargs.get("min", bounds[0]), node.kwargs.get("max", bounds[1])
     if x.dtype not in (torch.float32, torch.bfloat16) or val(node).dtype != x.dtype or (lo is None and hi is None):
         return False
-    steps = [(P[name], _binary_scalar(name, x, b)) for name, b in (("BINARY_MAX", lo), ("BINARY_MIN", hi)) if b is not None]
+    steps = [(P[name], _binary_scalar(name, x, bound))
+             for name, bound in (("BINARY_MAX", lo), ("BINARY_MIN", hi)) if bound is not None]
     if any(scalar is None for _, scalar in steps) or (_is_inplace_op(node) and _writes_over_what_it_reads(x)):
         return False
     y, source = lw.view(x if _is_inplace_op(node) else val(node)), lw.view(x)

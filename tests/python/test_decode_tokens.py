@@ -3,7 +3,11 @@
 The models have random weights (kwker.testing), so the test makes sure argmax
 is never decided by rounding: along eager's own greedy path, the top logit
 must beat the second by at least MIN_MARGIN_ULPS units in the last place of the
-top logit in the model's dtype (bfloat16: 2^-8 relative; float32: 2^-23).
+top logit in the model's dtype (bfloat16: 2^-7 relative, 7 stored bits; float32:
+2^-23): 2 in float32, 1 in bfloat16, where random 32-layer logits are flat
+enough that few seeds keep 2 ulps at every step. One bf16 ulp rules out ties,
+not every choice rounding could decide: kwker's bf16 logits sum in another order
+than eager's and differ from them by up to about an ulp, as Inductor's do.
 `peaked_model` checks that on eager's logits alone, before kwker runs: it takes
 the first weight seed whose eager paths for all prompts pass (a small
 vocabulary makes most seeds pass; in bfloat16, rounding the logits makes exact
@@ -21,7 +25,7 @@ from kwker import summary
 from kwker.testing import SMALL_CONFIGS, small_model
 
 NEW_TOKENS = 32
-MIN_MARGIN_ULPS = 2
+MIN_MARGIN_ULPS = {torch.float32: 2, torch.bfloat16: 1}
 PROMPTS = [[3, 17, 42, 9, 7, 12, 5, 30], [11, 2, 33, 60, 21, 8, 14, 40]]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 MIXTURES_OF_EXPERTS = ("mixtral", "qwen2_moe")
@@ -40,7 +44,7 @@ def generate(model, ids, compile_config=None, **kw):
 def min_margin_ulps(logits, dtype) -> float:
     """Eager's smallest top-2 margin over all steps and rows, in units in the last
     place of the top logit."""
-    ulp_rel = 2.0**-8 if dtype == torch.bfloat16 else 2.0**-23
+    ulp_rel = 2.0**-7 if dtype == torch.bfloat16 else 2.0**-23
     top2 = torch.stack(logits).float().topk(2, dim=-1).values  # [steps, batch, 2]
     ulp = ulp_rel * torch.exp2(torch.floor(torch.log2(top2[..., 0].abs().clamp_min(1e-30))))
     return ((top2[..., 0] - top2[..., 1]) / ulp).min().item()
@@ -52,9 +56,10 @@ def peaked_model(arch, dtype, prompts, max_seeds=8, config=None, **generate_kwar
     for seed in range(max_seeds):
         model = small_model(arch, dtype=dtype, seed=seed, config=config)
         refs = [generate(model, p, **generate_kwargs) for p in prompts]
-        if all(min_margin_ulps(r.logits, dtype) >= MIN_MARGIN_ULPS for r in refs):
+        if all(min_margin_ulps(r.logits, dtype) >= MIN_MARGIN_ULPS[dtype] for r in refs):
             return model, refs
-    raise AssertionError(f"no seed below {max_seeds} gives {arch} in {dtype} top-2 margins of {MIN_MARGIN_ULPS} ulp")
+    raise AssertionError(
+        f"no seed below {max_seeds} gives {arch} in {dtype} top-2 margins of {MIN_MARGIN_ULPS[dtype]} ulp")
 
 
 def replayed_graphs():
@@ -101,7 +106,8 @@ def test_sliding_window_caches_give_eagers_tokens_from_one_plan_per_step(arch, c
     assert all(not g.fallback_ops for g in graphs), kwker.report()
     assert "a plan for sizes" not in caplog.text
     # the full window's step shifts each sliding layer's keys and values in place
-    types = getattr(model.config, "layer_types", None) or ["sliding_attention"] * model.config.num_hidden_layers  # Mistral
+    types = getattr(model.config, "layer_types", None) or ["sliding_attention"] * model.config.num_hidden_layers
+    # (Mistral's config has no layer types: every layer slides)
     sliding = types.count("sliding_attention")
     assert max(p.dump().count(" kv_shift ") for g in graphs for p in plans_of(g.plan())) == 2 * sliding
 
