@@ -27,6 +27,8 @@ SMALL_CONFIGS = {
     "bloom": ("BloomConfig", {}),
     # Attention and MLP in parallel on one norm's output: five linears over one input.
     "cohere": ("CohereConfig", {}),
+    # Rotary on the first 8 dims of each head, its pairs interleaved (a stack of halves).
+    "gptj": ("GPTJConfig", {"n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 512, "rotary_dim": 8}),
     # Mixture of experts: top-2 routing, its sort and inverse permutation written
     # in place, the experts' grouped matmuls (fallback steps of the plan).
     "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}),
