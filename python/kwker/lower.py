@@ -217,7 +217,6 @@ class _Lowering:
             self.b.output(self.view(val(out)))
         return self.b.finish(torch.get_num_threads(), n_args=len(self.example_inputs))
 
-
     def constant(self, node: Node) -> torch.Tensor | None:
         """node's value when the graph computes it from constants alone (a tensor
         literal), evaluated ahead of its turn where a lowering needs it then."""
@@ -225,10 +224,9 @@ class _Lowering:
             return self.folded[node]
         if node.op == "get_attr" and node.target not in self.copies:
             return getattr(self.gm, node.target)
-        inputs = [a for a in _flat((node.args, node.kwargs)) if isinstance(a, Node)]
         if node.op != "call_function" or node.target is operator.getitem:
             return None
-        values = {a: self.constant(a) for a in inputs}
+        values = {a: self.constant(a) for a in _flat((node.args, node.kwargs)) if isinstance(a, Node)}
         return None if any(v is None for v in values.values()) else _evaluate(node, values)
 
 

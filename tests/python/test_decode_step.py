@@ -413,7 +413,7 @@ class _SlidingWindowReadBetween(torch.nn.Module):
         return before, rolled * 2
 
 
-class _SlidingWindowOtherPosition(_SlidingWindow):
+class _SlidingWindowOtherPosition(torch.nn.Module):
     """The rolled window written at its first position, not its last: not a shift."""
 
     def forward(self, cache, new, x):
