@@ -2,6 +2,7 @@
 model's, wide weights are read K-blocked, and a wrong call raises."""
 
 import re
+import types
 
 import pytest
 import torch
@@ -337,6 +338,73 @@ def test_a_layer_norm_of_a_transposed_value_is_native_over_a_contiguous_copy():
     assert report.fallback_ops == ["aten.convolution.default"], report.fallback_ops
     (out,) = plan(*inputs)
     torch.testing.assert_close(out, _TransposedNorm()(*inputs), rtol=1e-5, atol=1e-5)
+
+
+class _OffCentreNorm(torch.nn.Module):
+    """A written-out layer norm's shape, centred on another tensor's mean: not one."""
+
+    def forward(self, h, other):
+        mean = other.mean(-1, keepdim=True)
+        return (h - mean) * torch.rsqrt((h - mean).pow(2).mean(-1, keepdim=True) + 1e-5)
+
+
+class _CohereNorm(torch.nn.Module):
+    """transformers' CohereLayerNorm.forward, its weight an input (as Dynamo's graphs have it)."""
+
+    def forward(self, x, weight):
+        from transformers.models.cohere.modeling_cohere import CohereLayerNorm
+
+        return CohereLayerNorm.forward(types.SimpleNamespace(weight=weight, variance_epsilon=1e-5), x)
+
+
+class _UnweightedNorm(torch.nn.Module):
+    """CohereLayerNorm without its weight."""
+
+    def forward(self, x):
+        h = x.to(torch.float32)
+        mean = h.mean(-1, keepdim=True)
+        variance = (h - mean).pow(2).mean(-1, keepdim=True)
+        return ((h - mean) * torch.rsqrt(variance + 1e-5)).to(x.dtype)
+
+
+class _OffCentreNorm(torch.nn.Module):
+    """A written-out layer norm's shape, centred on another tensor's mean: not one."""
+
+    def forward(self, h, other):
+        mean = other.mean(-1, keepdim=True)
+        return (h - mean) * torch.rsqrt((h - mean).pow(2).mean(-1, keepdim=True) + 1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("module", [_CohereNorm(), _UnweightedNorm()], ids=["cohere", "unweighted"])
+def test_a_written_out_layer_norm_is_one_native_layer_norm(module, dtype):
+    """Cohere's CohereLayerNorm (x upcast, centred, scaled by the rsqrt of the
+    biased variance, times the weight in float32, rounded back once) becomes
+    ATen's native_layer_norm, which the plan runs natively and eagerly as
+    PyTorch's; a centring on another tensor's mean is left as it is."""
+    from kwker.aten_graph import trace_to_aten
+    from kwker.lower import lower_to_plan
+    from kwker.rewrite import rewrite_language_model
+
+    torch.manual_seed(0)
+    inputs = [(torch.randn(3, 96) * 4 + 1).to(dtype), (torch.randn(96) * 0.5 + 1).to(dtype)]
+    inputs = inputs[:2 if isinstance(module, _CohereNorm) else 1]
+    traced = trace_to_aten(module, inputs)
+    counts, _ = rewrite_language_model(traced)
+    assert counts["layer_norm"] == 1, counts
+    plan, report = lower_to_plan(traced, inputs, [])
+    assert report.fallback_ops == [], report.fallback_ops
+    expected = module(*inputs)
+    tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2**-7, atol=2**-7)
+    for got in (plan(*inputs)[0], traced(*inputs)):
+        assert got.dtype == dtype
+        torch.testing.assert_close(got, expected, **tolerance)
+
+    h, other = torch.randn(3, 96), torch.randn(3, 96)
+    off_centre = trace_to_aten(_OffCentreNorm(), [h, other])
+    counts, _ = rewrite_language_model(off_centre)
+    assert counts["layer_norm"] == 0, counts
+    torch.testing.assert_close(off_centre(h, other), _OffCentreNorm()(h, other))
 
 
 class _Gather(torch.nn.Module):

@@ -12,6 +12,7 @@ import torch
 
 from kwker.rewrite.attention import fuse_attention
 from kwker.rewrite.experts import rewrite_experts
+from kwker.rewrite.layer_norm import fuse_layer_norm
 from kwker.rewrite.linear import reserved_copy_bytes, rewrite_linears
 from kwker.rewrite.rms_norm import fuse_residual_add, fuse_rms_norm
 from kwker.rewrite.rotary import fuse_rotary
@@ -27,7 +28,7 @@ log = logging.getLogger(__name__)
 def rewrite_language_model(gm: torch.fx.GraphModule, params: dict[str, torch.Tensor] | None = None,
                            glue: bool = True,
                            arena: WeightArena | None = None) -> tuple[dict[str, int], list[CopiedWeight]]:
-    """glue=False keeps the model's own norm, rotary, tanh GELU and SiLU·mul as plain ops.
+    """glue=False keeps the model's own norms, rotary, tanh GELU and SiLU·mul as plain ops.
     params (placeholder name -> the real parameter) is given for a graph a plan
     will replay, whose linears then read kwker's weight copies where those read
     fewer bytes (kwker.weights), cut from arena; the plan keeps them fresh.
@@ -37,6 +38,7 @@ def rewrite_language_model(gm: torch.fx.GraphModule, params: dict[str, torch.Ten
     counts = {"attention": fuse_attention(gm)}
     if glue:
         counts["rms_norm"] = fuse_rms_norm(gm)
+        counts["layer_norm"] = fuse_layer_norm(gm)
         gm.graph.eliminate_dead_code()  # the replaced norms' nodes would count as users of the residual sums
         counts["add_rms_norm"] = fuse_residual_add(gm)
         counts["rotary"] = fuse_rotary(gm)
