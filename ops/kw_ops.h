@@ -41,8 +41,11 @@ typedef enum kw_op_id {
 
 /* Values of the integer parameters (kw_call.ip) of ops that take a mode. Each
  * op's slots and parameters are listed where its kw_op_info is defined. */
-enum {
-    KW_NORM_GEMMA = 1, /* rms_norm, add_rms_norm ip[0] flag: (x̂ * (1 + w)).to(dtype) */
+enum { /* rms_norm, add_rms_norm ip[0]: how the weight scales x̂ = x.float() * rsqrt(mean(x²) + eps) */
+    KW_NORM_LLAMA = 0, /* w * x̂.to(dtype) */
+    KW_NORM_GEMMA = 1, /* (x̂ * (1 + w.float())).to(dtype) */
+    KW_NORM_OLMO = 2,  /* (w.float() * x̂).to(dtype): OLMo 2's, Helium's */
+    KW_NORM_FORMS
 };
 enum {
     KW_ROPE_HALF = 0,        /* rotary ip[0]: HF rotate_half, pairs (i, i + r/2) */

@@ -5,8 +5,11 @@
  *     h = x.float(); h = h * rsqrt(mean(h²) + eps); y = weight * h.to(x.dtype)
  *   so x̂ is rounded to x's dtype before the weight multiply, and y has the
  *   promoted dtype of weight and x.
- * rms_norm, Gemma (ip[0] & KW_NORM_GEMMA, GemmaRMSNorm.forward):
+ * rms_norm, Gemma (ip[0] KW_NORM_GEMMA, GemmaRMSNorm.forward):
  *     y = (h * rsqrt(mean(h²) + eps) * (1 + weight.float())).to(x.dtype)
+ * rms_norm, OLMo 2 (ip[0] KW_NORM_OLMO, Olmo2RMSNorm.forward, HeliumRMSNorm's):
+ *     y = (weight.float() * (h * rsqrt(mean(h²) + eps))).to(x.dtype)
+ *   one rounding, after the weight multiply.
  * add_rms_norm: sum = x + residual (rounded to their dtype, as the eager add
  *   does), then rms_norm(sum); both are written.
  * layer_norm: torch.layer_norm: mean and biased variance in f32, then
@@ -63,10 +66,10 @@ static int norm_prepare(const kw_call *c, enum norm_kind kind, kw_isa isa, kw__n
             return kw__fail(msg, len, KW_ESHAPE, "layer_norm: bias must be contiguous float32 or bfloat16 [%lld] (got %s)",
                             (long long)p->K, kw__shape(&c->t[3]).s);
     } else {
-        if (c->ip[0] & ~(int64_t)KW_NORM_GEMMA)
-            return kw__fail(msg, len, KW_EINVAL, "%s: ip[0] flags must be 0 or KW_NORM_GEMMA (got %lld)", op,
-                            (long long)c->ip[0]);
-        p->gemma = (c->ip[0] & KW_NORM_GEMMA) != 0;
+        if (c->ip[0] < 0 || c->ip[0] >= KW_NORM_FORMS)
+            return kw__fail(msg, len, KW_EINVAL, "%s: ip[0] must be a KW_NORM_ form, 0 to %d (got %lld)", op,
+                            KW_NORM_FORMS - 1, (long long)c->ip[0]);
+        p->form = (int)c->ip[0];
     }
     if (kind == NORM_ADD_RMS) {
         const kw_tensor *res = &c->t[3], *sum = &c->t[1];
@@ -114,8 +117,10 @@ void kw__rms_norm_rows_scalar(const kw__norm *p, int64_t r0, int64_t r1) {
             float v;
             if (!p->w.p)
                 v = h;
-            else if (p->gemma)
+            else if (p->form == KW_NORM_GEMMA)
                 v = h * (1.0f + kw__ldf(p->w.p, k, p->w.dt));
+            else if (p->form == KW_NORM_OLMO)
+                v = kw__ldf(p->w.p, k, p->w.dt) * h;
             else
                 v = kw__ldf(p->w.p, k, p->w.dt) * kw__round_to(h, p->x.dt);
             kw__stf(y, k, yt, v);
@@ -162,7 +167,7 @@ KW__NORM_PREPARE(rms_norm, NORM_RMS)
 KW__NORM_PREPARE(add_rms_norm, NORM_ADD_RMS)
 KW__NORM_PREPARE(layer_norm, NORM_LAYER)
 
-/* Slots y, x, weight (optional); fp[0] eps; ip[0] flags (KW_NORM_GEMMA). */
+/* Slots y, x, weight (optional); fp[0] eps; ip[0] the form (KW_NORM_LLAMA, _GEMMA, _OLMO). */
 const kw_op_info kw_op_info_rms_norm = {
     .name = "rms_norm",
     .n_tensors = 3,

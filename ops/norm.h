@@ -17,7 +17,7 @@ struct kw__norm {
     kw__row_ref res, sum; /* add_rms_norm: sum = x + res, normalised into y */
     kw__row_ref w, b;     /* contiguous [K] weight and bias */
     float eps;
-    int gemma;
+    int form; /* rms_norm's KW_NORM_ form */
     kw__norm_rows_fn run;
 };
 
@@ -29,9 +29,9 @@ static inline kw_dtype kw__promote(kw_dtype a, kw_dtype b) {
 }
 
 /* The dtype of rms_norm's result: Llama's weight * x̂.to(x.dtype) promotes with
- * the weight's dtype; Gemma's casts back to x's dtype. */
+ * the weight's dtype; Gemma's and OLMo's cast back to x's dtype. */
 static inline kw_dtype kw__rms_out_dtype(const kw__norm *p) {
-    return p->w.p && !p->gemma ? kw__promote(p->x.dt, p->w.dt) : p->x.dt;
+    return p->w.p && p->form == KW_NORM_LLAMA ? kw__promote(p->x.dt, p->w.dt) : p->x.dt;
 }
 
 #endif

@@ -33,11 +33,12 @@ static void add_rows(const kw__norm *p, int64_t r, char *sum) {
     }
 }
 
-/* y for n (<= KW_VW) elements from k: Llama's, Gemma's or no weight. */
+/* y for n (<= KW_VW) elements from k: Llama's, Gemma's, OLMo's or no weight. */
 static inline kw_v rms_scale(const kw__norm *p, kw_v h, int64_t k, int64_t n) {
     if (!p->w.p) return h;
     const kw_v w = n == KW_VW ? kw_v_ld(p->w.p, k, p->w.dt) : kw_v_ldn(p->w.p, k, n, p->w.dt);
-    if (p->gemma) return kw_v_mul(h, kw_v_add(kw_v_set1(1.0f), w));
+    if (p->form == KW_NORM_GEMMA) return kw_v_mul(h, kw_v_add(kw_v_set1(1.0f), w));
+    if (p->form == KW_NORM_OLMO) return kw_v_mul(w, h);
     return kw_v_mul(w, kw_v_round_to(h, p->x.dt));
 }
 

@@ -22,11 +22,12 @@ _P = _C.op_params()
 _lib = torch.library.Library("kwker", "DEF")
 
 _SCHEMAS = {
-    # HF RMSNorm. gemma=False (Llama): weight * (x.float() * rsqrt(mean(x²) + eps)).to(x.dtype)
-    # gemma=True: ((x.float() * rsqrt(mean(x²) + eps)) * (1 + weight.float())).to(x.dtype)
-    "rms_norm": "rms_norm(Tensor x, Tensor weight, float eps, bool gemma) -> Tensor",
+    # HF's RMSNorms, x̂ = x.float() * rsqrt(mean(x²) + eps), by form (NORM_LLAMA, _GEMMA, _OLMO):
+    # Llama's weight * x̂.to(x.dtype); Gemma's (x̂ * (1 + weight.float())).to(x.dtype);
+    # OLMo 2's (weight.float() * x̂).to(x.dtype)
+    "rms_norm": "rms_norm(Tensor x, Tensor weight, float eps, int form) -> Tensor",
     # residual = x + y; returns (residual, rms_norm(residual))
-    "add_rms_norm": "add_rms_norm(Tensor x, Tensor y, Tensor weight, float eps, bool gemma) -> (Tensor, Tensor)",
+    "add_rms_norm": "add_rms_norm(Tensor x, Tensor y, Tensor weight, float eps, int form) -> (Tensor, Tensor)",
     # x * cos + rotate_half(x) * sin, rotate_half over the last dim (HF's convention)
     "rotary": "rotary(Tensor x, Tensor cos, Tensor sin) -> Tensor",
     "silu_mul": "silu_mul(Tensor gate, Tensor up) -> Tensor",
@@ -45,18 +46,24 @@ _SCHEMAS = {
 for _schema in _SCHEMAS.values():
     _lib.define(_schema)
 
+NORM_LLAMA, NORM_GEMMA, NORM_OLMO = _P["NORM_LLAMA"], _P["NORM_GEMMA"], _P["NORM_OLMO"]
 
-def _rms_norm(x, weight, eps, gemma):
+
+def _rms_norm(x, weight, eps, form):
+    if form not in (NORM_LLAMA, NORM_GEMMA, NORM_OLMO):
+        raise ValueError(f"kwker.rms_norm: form must be NORM_LLAMA, NORM_GEMMA or NORM_OLMO (got {form})")
     h = x.to(torch.float32)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    if gemma:
+    if form == NORM_GEMMA:
         return (h * (1.0 + weight.float())).to(x.dtype)
+    if form == NORM_OLMO:
+        return (weight.float() * h).to(x.dtype)
     return weight * h.to(x.dtype)
 
 
-def _add_rms_norm(x, y, weight, eps, gemma):
+def _add_rms_norm(x, y, weight, eps, form):
     residual = x + y
-    return residual, _rms_norm(residual, weight, eps, gemma)
+    return residual, _rms_norm(residual, weight, eps, form)
 
 
 def _rotary(x, cos, sin):
@@ -132,29 +139,24 @@ def _contiguous(out):
     return out.contiguous()
 
 
-def norm_flags(gemma: bool) -> list[int]:
-    """rms_norm's and add_rms_norm's int parameter."""
-    return [_P["NORM_GEMMA"] if gemma else 0]
+def _norm_dtype(x, weight, form):
+    return torch.result_type(weight, x) if form == NORM_LLAMA else x.dtype
 
 
-def _norm_dtype(x, weight, gemma):
-    return x.dtype if gemma else torch.result_type(weight, x)
-
-
-def _cpu_rms_norm(x, weight, eps, gemma):
-    y = x.new_empty(x.shape, dtype=_norm_dtype(x, weight, gemma))
-    if _native("rms_norm", [y, x, weight], norm_flags(gemma), [eps]):
+def _cpu_rms_norm(x, weight, eps, form):
+    y = x.new_empty(x.shape, dtype=_norm_dtype(x, weight, form))
+    if _native("rms_norm", [y, x, weight], [form], [eps]):
         return y
-    return _contiguous(_rms_norm(x, weight, eps, gemma))
+    return _contiguous(_rms_norm(x, weight, eps, form))
 
 
-def _cpu_add_rms_norm(x, y, weight, eps, gemma):
+def _cpu_add_rms_norm(x, y, weight, eps, form):
     residual = _elementwise_out(x, y)
     if residual is not None:
-        normed = residual.new_empty(residual.shape, dtype=_norm_dtype(residual, weight, gemma))
-        if _native("add_rms_norm", [normed, residual, x, y, weight], norm_flags(gemma), [eps]):
+        normed = residual.new_empty(residual.shape, dtype=_norm_dtype(residual, weight, form))
+        if _native("add_rms_norm", [normed, residual, x, y, weight], [form], [eps]):
             return residual, normed
-    return _contiguous(_add_rms_norm(x, y, weight, eps, gemma))
+    return _contiguous(_add_rms_norm(x, y, weight, eps, form))
 
 
 def _broadcast_shape(*xs) -> torch.Size:

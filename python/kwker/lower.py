@@ -22,7 +22,7 @@ import torch
 from torch.fx import Node
 
 from kwker import _C
-from kwker.custom_ops import GELU_MODES, LINEAR_MULTI_OUTPUTS, ROTARY_HALF, norm_flags, ops
+from kwker.custom_ops import GELU_MODES, LINEAR_MULTI_OUTPUTS, ROTARY_HALF, ops
 from kwker.rewrite.match import val
 from kwker.weights import CopiedWeight, by_matmul, rows_per_call
 
@@ -335,15 +335,15 @@ def _lower_grouped_linear(lw: _Lowering, node: Node):
 
 
 def _lower_rms_norm(lw: _Lowering, node: Node):
-    x, w, eps, gemma = node.args
-    lw.op(node, "rms_norm", [lw.view(val(node)), lw.view(val(x)), lw.view(val(w))], norm_flags(gemma), [eps])
+    x, w, eps, form = node.args
+    lw.op(node, "rms_norm", [lw.view(val(node)), lw.view(val(x)), lw.view(val(w))], [form], [eps])
 
 
 def _lower_add_rms_norm(lw: _Lowering, node: Node):
-    x, y, w, eps, gemma = node.args
+    x, y, w, eps, form = node.args
     residual, normed = val(node)
     views = [lw.view(normed), lw.view(residual), lw.view(val(x)), lw.view(val(y)), lw.view(val(w))]
-    lw.op(node, "add_rms_norm", views, norm_flags(gemma), [eps])
+    lw.op(node, "add_rms_norm", views, [form], [eps])
 
 
 def _lower_rotary(lw: _Lowering, node: Node):

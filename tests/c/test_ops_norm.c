@@ -20,10 +20,10 @@ static const int64_t Ks[] = {1, 5, 16, 31, 33, 64, 100, 2048, 2053};
 static void rms_case(int add, int trial, tt_rng *r) {
     const kw_dtype xt = trial % 2 ? KW_BF16 : KW_F32;
     const int wmode = trial / 2 % 3; /* none, f32, bf16 */
-    const int gemma = trial / 6 % 2;
+    const int form = trial / 6 % KW_NORM_FORMS;
     const int64_t K = PICK(Ks, r), M = tt_int(r, 1, 7), xi = add ? 2 : 1, wi = add ? 4 : 2;
     const kw_dtype wt = wmode == 1 ? KW_F32 : KW_BF16;
-    const kw_dtype yt = wmode && !gemma && wt == KW_F32 ? KW_F32 : xt;
+    const kw_dtype yt = wmode && form == KW_NORM_LLAMA && wt == KW_F32 ? KW_F32 : xt;
     tt_case k = {0};
     tt_padded(&k, (int)xi, xt, 2, TT_DIMS(M, K), tt_int(r, 0, 3), -3, 3, r);
     if (wmode) tt_tensor(&k, (int)wi, wt, 1, TT_DIMS(K), NULL, -2, 2, r);
@@ -36,9 +36,9 @@ static void rms_case(int add, int trial, tt_rng *r) {
             tt_padded(&k, 1, xt, 2, TT_DIMS(M, K), 1, 0, 0, r);
     }
     k.c.fp[0] = 1e-6 * (1 + trial % 4);
-    k.c.ip[0] = gemma ? KW_NORM_GEMMA : 0;
+    k.c.ip[0] = form;
     char what[96];
-    snprintf(what, sizeof what, "x %s weight %d gemma %d K=%lld", kw_dtype_name(xt), wmode, gemma, (long long)K);
+    snprintf(what, sizeof what, "x %s weight %d form %d K=%lld", kw_dtype_name(xt), wmode, form, (long long)K);
     tt_check_variants(add ? KW_OP_ADD_RMS_NORM : KW_OP_RMS_NORM, &k, norm_tol(yt), what);
     tt_free(&k);
 }
@@ -53,30 +53,34 @@ Test(add_rms_norm, every_variant_matches_the_reference) {
     for (int trial = 0; trial < 48; trial++) rms_case(1, trial, &r);
 }
 
-/* HF LlamaRMSNorm in double with the same casts: x̂ = x / sqrt(mean(x²) + eps)
- * rounded to bf16, then w * x̂ rounded to bf16. */
+/* HF's RMSNorms in double with the same casts: Llama's x̂ = x / sqrt(mean(x²) + eps)
+ * rounded to bf16, then w * x̂ rounded to bf16; Gemma's x̂ * (1 + w) and OLMo 2's
+ * w * x̂, each rounded once. */
 Test(rms_norm, reference_matches_double_precision) {
     tt_rng r = {13};
     const int64_t K = 300;
     for (int bf = 0; bf < 2; bf++)
-        for (int gemma = 0; gemma < 2; gemma++) {
+        for (int form = 0; form < KW_NORM_FORMS; form++) {
             const kw_dtype dt = bf ? KW_BF16 : KW_F32;
             tt_case k = {0};
             kw_tensor *x = tt_tensor(&k, 1, dt, 1, TT_DIMS(K), NULL, -4, 4, &r);
             kw_tensor *w = tt_tensor(&k, 2, dt, 1, TT_DIMS(K), NULL, -2, 2, &r);
             kw_tensor *y = tt_tensor(&k, 0, dt, 1, TT_DIMS(K), NULL, 0, 0, &r);
             k.c.fp[0] = 1e-5;
-            k.c.ip[0] = gemma ? KW_NORM_GEMMA : 0;
+            k.c.ip[0] = form;
             tt_run(KW_OP_RMS_NORM, KW_ISA_SCALAR, &k.c, 1);
             double ss = 0;
             for (int64_t i = 0; i < K; i++) ss += tt_get(x, &i) * tt_get(x, &i);
             const double rstd = 1 / sqrt(ss / K + 1e-5);
             for (int64_t i = 0; i < K; i++) {
                 const double h = tt_get(x, &i) * rstd;
-                double want = gemma ? h * (1 + tt_get(w, &i)) : tt_get(w, &i) * (bf ? kw__bf16_to_f32(kw__f32_to_bf16((float)h)) : h);
+                const double rounded = bf ? kw__bf16_to_f32(kw__f32_to_bf16((float)h)) : h;
+                double want = form == KW_NORM_GEMMA ? h * (1 + tt_get(w, &i))
+                              : form == KW_NORM_OLMO ? tt_get(w, &i) * h
+                                                     : tt_get(w, &i) * rounded;
                 if (bf) want = kw__bf16_to_f32(kw__f32_to_bf16((float)want));
                 cr_expect_leq(fabs(tt_get(y, &i) - want), 1e-6 + (bf ? 0x1p-7 : 1e-6) * fabs(want),
-                              "bf16 %d gemma %d y[%lld] = %.8g, want %.8g", bf, gemma, (long long)i, tt_get(y, &i), want);
+                              "bf16 %d form %d y[%lld] = %.8g, want %.8g", bf, form, (long long)i, tt_get(y, &i), want);
             }
             tt_free(&k);
         }
@@ -143,7 +147,7 @@ Test(rms_norm, check_names_the_bad_slot) {
     tt_tensor(&k, 0, KW_BF16, 2, TT_DIMS(2, 8), NULL, 0, 0, &r);
     tt_expect_reject(KW_OP_RMS_NORM, &k.c, KW_ESHAPE, "rms_norm: y must have x's shape, dtype float32");
     k.c.ip[0] = 4;
-    tt_expect_reject(KW_OP_RMS_NORM, &k.c, KW_EINVAL, "ip[0] flags");
+    tt_expect_reject(KW_OP_RMS_NORM, &k.c, KW_EINVAL, "ip[0] must be a KW_NORM_ form");
     tt_free(&k);
     tt_tensor(&k, 1, KW_F32, 2, TT_DIMS(2, 8), NULL, -1, 1, &r);
     tt_tensor(&k, 2, KW_F32, 1, TT_DIMS(7), NULL, -1, 1, &r);

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kwker import _C, custom_ops
-from kwker.custom_ops import REFERENCE, ops
+from kwker.custom_ops import NORM_GEMMA, NORM_LLAMA, NORM_OLMO, REFERENCE, ops
 
 F32, BF16 = torch.float32, torch.bfloat16
 
@@ -22,9 +22,11 @@ def _cases(dtype):
     r = lambda *s, seed=0, dt=dtype: _rand(*s, dtype=dt, seed=seed)  # noqa: E731
     rows = 6 if dtype == F32 else 20  # oneDNN's matmul from 4 rows in float32, 16 in bfloat16 (kwker.weights)
     return [
-        ("rms_norm", (r(2, 5, 64), r(64, seed=1), 1e-6, False)),
-        ("rms_norm", (r(3, 64), r(64, seed=1), 1e-5, True)),
-        ("add_rms_norm", (r(2, 3, 64), r(2, 3, 64, seed=2), r(64, seed=1), 1e-6, False)),
+        ("rms_norm", (r(2, 5, 64), r(64, seed=1), 1e-6, NORM_LLAMA)),
+        ("rms_norm", (r(3, 64), r(64, seed=1), 1e-5, NORM_GEMMA)),
+        ("rms_norm", (r(3, 64), r(64, seed=1), 1e-5, NORM_OLMO)),
+        ("add_rms_norm", (r(2, 3, 64), r(2, 3, 64, seed=2), r(64, seed=1), 1e-6, NORM_LLAMA)),
+        ("add_rms_norm", (r(2, 3, 64), r(2, 3, 64, seed=2), r(64, seed=1), 1e-6, NORM_OLMO)),
         ("rotary", (r(1, 4, 5, 32), r(1, 1, 5, 32, seed=1), r(1, 1, 5, 32, seed=2))),
         ("silu_mul", (r(3, 7, 48), r(3, 7, 48, seed=1))),
         ("gelu_mul", (r(3, 40), r(3, 40, seed=1), "tanh")),
@@ -46,7 +48,7 @@ def _cases(dtype):
                        (torch.arange(16) < 11).view(1, 1, 1, 16) & torch.tensor([True, False]).view(2, 1, 1, 1), 0.2)),
         ("attention", (r(1, 4, 3, 32), r(1, 4, 16, 32, seed=1), r(1, 4, 16, 32, seed=2),  # T5's: a bias per head
                        r(1, 4, 3, 16, seed=3), 1.0)),
-        ("rms_norm", (r(96, 512), r(512, seed=1), 1e-6, False)),
+        ("rms_norm", (r(96, 512), r(512, seed=1), 1e-6, NORM_LLAMA)),
         ("linear", (r(rows, 256), r(256, 256, seed=1), r(256, seed=2))),
     ]
 
@@ -110,7 +112,7 @@ def test_each_op_runs_its_native_op_inside_an_inductor_graph(dtype, refused):
 
 def test_a_call_the_native_op_rejects_runs_the_reference(refused):
     x, w = _rand(3, 64, dtype=torch.float16), _rand(64, dtype=torch.float16, seed=1)
-    torch.testing.assert_close(ops.rms_norm(x, w, 1e-6, False), REFERENCE["rms_norm"](x, w, 1e-6, False))
+    torch.testing.assert_close(ops.rms_norm(x, w, 1e-6, NORM_LLAMA), REFERENCE["rms_norm"](x, w, 1e-6, NORM_LLAMA))
     x = _rand(64, 3).t()  # rows that are not contiguous
     w = _rand(40, 64, seed=1)
     y = ops.linear(x, w, None)
@@ -120,6 +122,8 @@ def test_a_call_the_native_op_rejects_runs_the_reference(refused):
     ys = ops.linear_multi(_rand(2, 64), _rand(50, 64, seed=1), None, [10] * 5)  # more outputs than its slots
     assert all(y.is_contiguous() for y in ys)
     torch.testing.assert_close(torch.cat(ys, -1), REFERENCE["linear"](_rand(2, 64), _rand(50, 64, seed=1), None))
+    with pytest.raises(ValueError, match="form must be NORM_LLAMA, NORM_GEMMA or NORM_OLMO \\(got 3\\)"):
+        ops.rms_norm(_rand(3, 64), _rand(64, seed=1), 1e-6, 3)
 
 
 def _odd_calls():
@@ -155,11 +159,11 @@ def test_an_op_inside_a_plans_fallback_runs_on_that_thread():
     xb = b.input("x", F32, (4, 64))
     out = b.output_buffer("out", F32, (4, 64))
     views = [b.view(buf, F32, (4, 64), None, 0) for buf in (xb, out)]
-    b.fallback(lambda reads, writes: writes[0].copy_(ops.rms_norm(reads[0], w, 1e-6, False)), views[:1], views[1:])
+    b.fallback(lambda reads, writes: writes[0].copy_(ops.rms_norm(reads[0], w, 1e-6, NORM_LLAMA)), views[:1], views[1:])
     b.output(views[1])
     plan = b.finish(2)
     (y,) = plan(x)
-    torch.testing.assert_close(y, REFERENCE["rms_norm"](x, w, 1e-6, False), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(y, REFERENCE["rms_norm"](x, w, 1e-6, NORM_LLAMA), rtol=1e-5, atol=1e-5)
 
 
 def test_run_op_checks_its_arguments():

@@ -407,6 +407,48 @@ def test_a_written_out_layer_norm_is_one_native_layer_norm(module, dtype):
     torch.testing.assert_close(off_centre(h, other), _OffCentreNorm()(h, other))
 
 
+class _HFNorm(torch.nn.Module):
+    """A transformers RMSNorm's forward, its weight an input (as Dynamo's graphs have it)."""
+
+    def __init__(self, norm_class):
+        super().__init__()
+        self.norm_class = norm_class
+
+    def forward(self, x, weight):
+        return self.norm_class.forward(types.SimpleNamespace(weight=weight, variance_epsilon=1e-6), x)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("arch", ["olmo2", "helium"])
+def test_olmo2s_and_heliums_rms_norms_are_one_native_rms_norm_rounded_once(arch, dtype):
+    """OLMo 2's RMSNorm multiplies the bf16 weight into the float32 x̂ and rounds
+    once, Helium's the weight made float32: kwker's rms_norm in its OLMo form
+    (in float32 both are Llama's), natively, within one rounding of eager."""
+    from transformers.models.helium.modeling_helium import HeliumRMSNorm
+    from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
+
+    from kwker.aten_graph import trace_to_aten
+    from kwker.custom_ops import NORM_LLAMA, NORM_OLMO
+    from kwker.lower import lower_to_plan
+    from kwker.rewrite import rewrite_language_model
+
+    module = _HFNorm({"olmo2": Olmo2RMSNorm, "helium": HeliumRMSNorm}[arch])
+    torch.manual_seed(0)
+    inputs = [(torch.randn(3, 96) * 4).to(dtype), (torch.randn(96) * 0.5 + 1).to(dtype)]
+    traced = trace_to_aten(module, inputs)
+    counts, _ = rewrite_language_model(traced)
+    assert counts["rms_norm"] == 1, counts
+    (norm,) = [n for n in traced.graph.nodes if n.target is torch.ops.kwker.rms_norm.default]
+    assert norm.args[3] == (NORM_LLAMA if dtype == torch.float32 else NORM_OLMO)
+    plan, report = lower_to_plan(traced, inputs, [])
+    assert report.fallback_ops == [], report.fallback_ops
+    expected = module(*inputs)
+    tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2**-8, atol=2**-8)
+    for got in (plan(*inputs)[0], traced(*inputs)):
+        assert got.dtype == dtype
+        torch.testing.assert_close(got, expected, **tolerance)
+
+
 class _Gather(torch.nn.Module):
     def forward(self, x, ids):
         return x[ids] * x[:, 0][ids].unsqueeze(-1)

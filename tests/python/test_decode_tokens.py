@@ -29,6 +29,14 @@ MIN_MARGIN_ULPS = {torch.float32: 2, torch.bfloat16: 1}
 PROMPTS = [[3, 17, 42, 9, 7, 12, 5, 30], [11, 2, 33, 60, 21, 8, 14, 40]]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 MIXTURES_OF_EXPERTS = ("mixtral", "qwen2_moe")
+# The ops each architecture's decode step still leaves to PyTorch (fallback steps);
+# every other architecture's step is native throughout, its norms included
+# (Cohere's written-out layer norm, OLMo 2's RMSNorm rounded once in bf16).
+FALLBACK_OPS = {
+    "ministral3": {"aten.div.Tensor", "aten.floor.default", "aten.log.default"},  # the attention's position scaling
+    "bloom": {"aten.le.Tensor", "aten.baddbmm.default", "aten.bmm.default"},  # ALiBi attention
+    "qwen2_moe": {"aten.sigmoid.default"},  # the shared expert's gate
+}
 
 
 pytestmark = pytest.mark.usefixtures("fresh_compile_state")
@@ -75,12 +83,10 @@ def test_generate_gives_eagers_tokens(arch, dtype):
         out = generate(model, ids, kwker.compile_config())
         assert out.sequences.tolist() == ref.sequences.tolist()
     assert len(replayed_graphs()) == 1, kwker.report()
-    (graph,) = replayed_graphs()  # kwker's own ops all native: none is a fallback step
-    assert not [op for op in graph.fallback_ops if op.startswith("kwker.")], kwker.report()
+    (graph,) = replayed_graphs()
+    assert set(graph.fallback_ops) <= FALLBACK_OPS.get(arch, set()), kwker.report()
     if arch in MIXTURES_OF_EXPERTS:  # the experts ran natively, not as PyTorch's grouped matmuls
-        (graph,) = replayed_graphs()
         assert graph.rewrites.get("grouped_linear") == 2 * model.config.num_hidden_layers, kwker.report()
-        assert not [op for op in graph.fallback_ops if "grouped_mm" in op], kwker.report()
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])

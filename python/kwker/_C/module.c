@@ -33,7 +33,9 @@ static PyObject *op_params(PyObject *self, PyObject *unused) {
         const char *name;
         int value;
     } params[] = {
+        {"NORM_LLAMA", KW_NORM_LLAMA},
         {"NORM_GEMMA", KW_NORM_GEMMA},
+        {"NORM_OLMO", KW_NORM_OLMO},
         {"ROPE_HALF", KW_ROPE_HALF},
         {"ROPE_INTERLEAVED", KW_ROPE_INTERLEAVED},
         {"GATHER_WRAP", KW_GATHER_WRAP},

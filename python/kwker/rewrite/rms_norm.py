@@ -1,10 +1,10 @@
-"""RMSNorm as HF writes it (Llama's and Gemma's), and the residual add before it."""
+"""RMSNorm as HF writes it (Llama's, Gemma's and OLMo 2's), and the residual add before it."""
 
 import operator
 
 import torch
 
-from kwker.custom_ops import ops
+from kwker.custom_ops import NORM_GEMMA, NORM_LLAMA, NORM_OLMO, ops
 from kwker.rewrite.match import aten, is_call, last_dim, only_user, other_arg, replace, strip_float_upcast, val
 
 
@@ -17,9 +17,10 @@ def fuse_rms_norm(gm: torch.fx.GraphModule) -> int:
 
 
 def _fuse_one(graph, rsqrt) -> int:
-    """Matches rsqrt(mean(h², -1, keepdim) + eps) * h, then Llama's weight * _.to(dtype)
-    or Gemma's (_ * (1 + weight.float())).to(dtype), with h = x.to(float32). T5's
-    multiplies x itself by the float32 rsqrt: type promotion makes that h."""
+    """Matches rsqrt(mean(h², -1, keepdim) + eps) * h, then Llama's weight * _.to(dtype),
+    Gemma's (_ * (1 + weight.float())).to(dtype) or OLMo 2's (weight * _).to(dtype),
+    with h = x.to(float32). T5's multiplies x itself by the float32 rsqrt: type
+    promotion makes that h. In float32 OLMo 2's is Llama's (no cast is a node)."""
     add = rsqrt.args[0]
     if not is_call(add, aten.add.Tensor, aten.add.Scalar) or not isinstance(add.args[1], float):
         return 0
@@ -38,7 +39,8 @@ def _fuse_one(graph, rsqrt) -> int:
     normed = next((u for u in rsqrt.users if is_call(u, aten.mul.Tensor) and other_arg(u, rsqrt) in (h, x)), None)
     if normed is None:
         return 0
-    return _fuse_llama_tail(graph, normed, x, eps) or _fuse_gemma_tail(graph, normed, x, eps)
+    return (_fuse_llama_tail(graph, normed, x, eps) or _fuse_gemma_tail(graph, normed, x, eps)
+            or _fuse_olmo_tail(graph, normed, x, eps))
 
 
 def _is_norm_weight(node, x) -> bool:
@@ -62,7 +64,7 @@ def _fuse_llama_tail(graph, normed, x, eps) -> int:
     weight = other_arg(scaled, cast)
     if not _is_norm_weight(weight, x):
         return 0
-    replace(graph, scaled, ops.rms_norm.default, (x, weight, eps, False))
+    replace(graph, scaled, ops.rms_norm.default, (x, weight, eps, NORM_LLAMA))
     return 1
 
 
@@ -83,7 +85,22 @@ def _fuse_gemma_tail(graph, normed, x, eps) -> int:
         out = scaled
     else:
         return 0
-    replace(graph, out, ops.rms_norm.default, (x, weight, eps, True))
+    replace(graph, out, ops.rms_norm.default, (x, weight, eps, NORM_GEMMA))
+    return 1
+
+
+def _fuse_olmo_tail(graph, normed, x, eps) -> int:
+    """(weight * x̂).to(dtype), the product in float32 (a bf16 weight promoted, or
+    Helium's weight.to(float32)), rounded once."""
+    scaled = only_user(normed)
+    if not is_call(scaled, aten.mul.Tensor) or val(x).dtype == torch.float32:
+        return 0
+    weight = strip_float_upcast(other_arg(scaled, normed))
+    cast = only_user(scaled)
+    if not (_is_norm_weight(weight, x) and val(scaled).dtype == torch.float32 and is_call(cast, aten._to_copy.default)
+            and cast.kwargs.get("dtype") == val(x).dtype):
+        return 0
+    replace(graph, cast, ops.rms_norm.default, (x, weight, eps, NORM_OLMO))
     return 1
 
 
