@@ -226,6 +226,9 @@ static float unary_f(int op, float x) {
     case KW_UNARY_SQRT: return sqrtf(x);
     case KW_UNARY_RSQRT: return 1.0f / sqrtf(x);
     case KW_UNARY_SILU: return kw__silu(x);
+    case KW_UNARY_SIGMOID: return 1.0f / (1.0f + expf(-x));
+    case KW_UNARY_LOG: return logf(x);
+    case KW_UNARY_FLOOR: return floorf(x);
     default: return fabsf(x);
     }
 }

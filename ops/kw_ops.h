@@ -78,7 +78,10 @@ enum {
     X(SQRT, sqrt)       \
     X(RSQRT, rsqrt)     \
     X(SILU, silu)       \
-    X(ABS, abs)
+    X(ABS, abs)         \
+    X(SIGMOID, sigmoid) \
+    X(LOG, log)         \
+    X(FLOOR, floor)
 typedef enum kw_unary_op { /* unary ip[0] */
 #define KW__UNARY_ENUM(id, name) KW_UNARY_##id,
     KW_UNARY_OPS(KW__UNARY_ENUM)

@@ -133,13 +133,15 @@ class _Lowering:
             _C.prefer_huge_pages(self.example_inputs[self.placeholder_index[w]])
         return self.view(val(w))
 
-    def contiguous_copy(self, node: Node, t: torch.Tensor) -> int:
-        """A view of t's values copied by a native step into a contiguous arena
-        buffer of their own, for a kernel that reads contiguous rows of a value
-        laid out otherwise (Whisper's residual stream is the transpose of its
-        convolution's output, as eager lays it out)."""
-        buf = self.b.arena(t.numel() * t.element_size(), f"{node.name}.contiguous")
-        copy = self.b.view(buf, t.dtype, tuple(t.shape), None, 0)
+    def contiguous_copy(self, node: Node, t: torch.Tensor, dtype: torch.dtype | None = None) -> int:
+        """A view of t's values copied (converted to dtype) by a native step
+        into a contiguous arena buffer of their own: for a kernel that reads
+        contiguous rows of a value laid out otherwise (Whisper's residual stream
+        is the transpose of its convolution's output, as eager lays it out), or
+        for an op PyTorch computes in another dtype than t's."""
+        dtype = dtype or t.dtype
+        buf = self.b.arena(t.numel() * dtype.itemsize, f"{node.name}.{'contiguous' if dtype == t.dtype else dtype}")
+        copy = self.b.view(buf, dtype, tuple(t.shape), None, 0)
         self.op(node, "convert", [copy, self.view(t)])
         return copy
 
@@ -639,7 +641,9 @@ def _binary_scalar(name: str, a: torch.Tensor, b) -> float | None:
 
 def _binary(name):
     """a (op) b, b a tensor or a Python number; the in-place form (add_, div_, ...)
-    writes a's own memory."""
+    writes a's own memory. An integer tensor in an op whose result is floating
+    (positions / a length: true division) is converted first, as TensorIterator
+    casts it to the result's dtype before the op."""
 
     def lower(lw: _Lowering, node: Node):
         a, b = node.args[:2]
@@ -648,13 +652,19 @@ def _binary(name):
         inplace = _is_inplace_op(node)
         if inplace and _writes_over_what_it_reads(val(a), *([val(b)] if isinstance(b, Node) else [])):
             return False
-        y = lw.view(val(a) if inplace else val(node))
+        y = val(a) if inplace else val(node)
+
+        def operand(t: torch.Tensor) -> int:
+            if y.is_floating_point() and t.dtype in (torch.int64, torch.int32):
+                return lw.contiguous_copy(node, t, y.dtype)
+            return lw.view(t)
+
         if isinstance(b, Node):
-            return lw.op(node, "binary", [y, lw.view(val(a)), lw.view(val(b))], [P[name]], [0.0])
-        scalar = _binary_scalar(name, val(a), b)
+            return lw.op(node, "binary", [lw.view(y), operand(val(a)), operand(val(b))], [P[name]], [0.0])
+        scalar = _binary_scalar(name, y, b)  # y has a's dtype, or the one a is converted to
         if scalar is None:
             return False
-        lw.op(node, "binary", [y, lw.view(val(a)), None], [P[name]], [scalar])
+        lw.op(node, "binary", [lw.view(y), operand(val(a)), None], [P[name]], [scalar])
 
     return lower
 
@@ -834,6 +844,9 @@ LOWERINGS = {
     aten.rsqrt.default: _unary("UNARY_RSQRT"),
     aten.silu.default: _unary("UNARY_SILU"),
     aten.abs.default: _unary("UNARY_ABS"),
+    aten.sigmoid.default: _unary("UNARY_SIGMOID"),
+    aten.log.default: _unary("UNARY_LOG"),
+    aten.floor.default: _unary("UNARY_FLOOR"),
     aten._to_copy.default: _lower_copy,
     aten.clone.default: _lower_copy,
     aten.cat.default: _lower_cat,

@@ -447,6 +447,9 @@ static double unary_ref(int op, double v) {
     case KW_UNARY_SQRT: return sqrt(v);
     case KW_UNARY_RSQRT: return 1 / sqrt(v);
     case KW_UNARY_SILU: return v / (1 + exp(-v));
+    case KW_UNARY_SIGMOID: return 1 / (1 + exp(-v));
+    case KW_UNARY_LOG: return log(v);
+    case KW_UNARY_FLOOR: return floor(v);
     default: return fabs(v);
     }
 }
@@ -456,7 +459,7 @@ Test(unary, matches_double_precision_on_strided_views) {
     for (int trial = 0; trial < 80; trial++) {
         const kw_dtype dt = fdt[trial % 2];
         const int op = trial % KW_UNARY_COUNT;
-        const double lo = op == KW_UNARY_SQRT || op == KW_UNARY_RSQRT ? 0.1 : -4;
+        const double lo = op == KW_UNARY_SQRT || op == KW_UNARY_RSQRT || op == KW_UNARY_LOG ? 0.1 : -4;
         int64_t shape[4], ys[4], xs[4];
         const int nd = rand_shape(&r, shape);
         rand_strides(&r, nd, shape, ys);

@@ -107,8 +107,10 @@ Test(reject, rms_norm) {
     c.t[2] = T(KW_F32, 1, DIMS(15));
     tt_expect_reject(KW_OP_RMS_NORM, &c, KW_ESHAPE, "weight must be contiguous");
     c = rms_call();
-    c.ip[0] = 2;
-    tt_expect_reject(KW_OP_RMS_NORM, &c, KW_EINVAL, "flags must be 0 or KW_NORM_GEMMA");
+    c.ip[0] = KW_NORM_FORMS;
+    tt_expect_reject(KW_OP_RMS_NORM, &c, KW_EINVAL, "ip[0] must be a KW_NORM_ form, 0 to 2 (got 3)");
+    c.ip[0] = -1;
+    tt_expect_reject(KW_OP_RMS_NORM, &c, KW_EINVAL, "ip[0] must be a KW_NORM_ form");
     c = rms_call();
     c.t[0] = T(KW_F32, 2, DIMS(2, 15));
     tt_expect_reject(KW_OP_RMS_NORM, &c, KW_ESHAPE, "y must have x's shape");

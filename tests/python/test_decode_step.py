@@ -449,6 +449,35 @@ def test_olmo2s_and_heliums_rms_norms_are_one_native_rms_norm_rounded_once(arch,
         torch.testing.assert_close(got, expected, **tolerance)
 
 
+class _PositionScaleAndGate(torch.nn.Module):
+    """Ministral 3's attention scaling by position (an int64 tensor divided by an
+    int, floor, log) and Qwen2-MoE's shared expert gate (a sigmoid)."""
+
+    def forward(self, positions, q, gate):
+        from transformers.models.ministral3.modeling_ministral3 import get_llama_4_attn_scale
+
+        scale = get_llama_4_attn_scale(positions, 0.1, 16).to(q.dtype)
+        return q * scale, torch.sigmoid(gate) * q
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_true_division_of_positions_floor_log_and_sigmoid_are_native_steps(dtype):
+    from kwker.aten_graph import trace_to_aten
+    from kwker.lower import lower_to_plan
+
+    g = torch.Generator().manual_seed(0)
+    inputs = [torch.tensor([[0, 15, 16, 47, 1000, 123456]]), torch.randn(1, 2, 6, 8, generator=g).to(dtype),
+              (torch.randn(1, 2, 6, 8, generator=g) * 6).to(dtype)]
+    module = _PositionScaleAndGate()
+    plan, report = lower_to_plan(trace_to_aten(module, inputs), inputs, [])
+    assert report.fallback_ops == [], report.fallback_ops
+    # libm's logf and expf against ATen's vectorised ones: within an ulp or two
+    tolerance = dict(rtol=3e-7, atol=1e-7) if dtype == torch.float32 else dict(rtol=2**-8, atol=2**-8)
+    for got, want in zip(plan(*inputs), module(*inputs)):
+        assert got.dtype == want.dtype
+        torch.testing.assert_close(got, want, **tolerance)
+
+
 class _Gather(torch.nn.Module):
     def forward(self, x, ids):
         return x[ids] * x[:, 0][ids].unsqueeze(-1)

@@ -30,12 +30,11 @@ PROMPTS = [[3, 17, 42, 9, 7, 12, 5, 30], [11, 2, 33, 60, 21, 8, 14, 40]]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 MIXTURES_OF_EXPERTS = ("mixtral", "qwen2_moe")
 # The ops each architecture's decode step still leaves to PyTorch (fallback steps);
-# every other architecture's step is native throughout, its norms included
-# (Cohere's written-out layer norm, OLMo 2's RMSNorm rounded once in bf16).
+# every other architecture's step is native throughout: its norms (Cohere's
+# written-out layer norm, OLMo 2's RMSNorm rounded once in bf16), Ministral 3's
+# attention scaling by position, Qwen2-MoE's shared expert gate included.
 FALLBACK_OPS = {
-    "ministral3": {"aten.div.Tensor", "aten.floor.default", "aten.log.default"},  # the attention's position scaling
     "bloom": {"aten.le.Tensor", "aten.baddbmm.default", "aten.bmm.default"},  # ALiBi attention
-    "qwen2_moe": {"aten.sigmoid.default"},  # the shared expert's gate
 }
 
 
