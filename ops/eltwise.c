@@ -23,9 +23,12 @@
  *            (KW_WHERE_X_IF_FALSE), cond bool, x and y float32 or bfloat16 of one
  *            dtype (fp[0] rounded to it). Scalar only: it serves masks made once
  *            per call (T5's position bias where the padding mask keeps it).
- *   convert  y = x.to(y.dtype) for any two dtypes. Float to int64/int32 truncates
- *            and saturates (NaN gives 0) where PyTorch leaves it undefined; to
- *            uint8 it goes through int64 and wraps, as PyTorch does (-1.0 -> 255). */
+ *   convert  y = x.to(y.dtype) for any two dtypes. Float to an integer truncates,
+ *            and where C leaves it undefined (NaN, out of range) gives what
+ *            PyTorch's conversion gives on x86-64, cvttss2si's "integer
+ *            indefinite": the minimum of int64 for int64, of int32 for int32
+ *            and uint8, which takes the low bits of an int32 (-1.0 -> 255,
+ *            300.0 -> 44, 3e9 -> 0). */
 #include "eltwise.h"
 
 static kw_dtype promote(kw_dtype a, kw_dtype b) { return a == KW_F32 || b == KW_F32 ? KW_F32 : a; }
@@ -283,14 +286,13 @@ static void st_int(void *p, int64_t i, kw_dtype dt, int64_t v) {
     }
 }
 
-/* f32 to an integer dtype: truncation saturated to int64 (int32 for int32), NaN
- * to 0; to bool: x != 0. */
+/* f32 to an integer dtype as on x86-64 (convert, above): int64 through a 64-bit
+ * truncation, int32 and uint8 through a 32-bit one (st_int keeps uint8's low
+ * bits), NaN and out of range giving that width's minimum; to bool: x != 0. */
 static int64_t f_to_int(float v, kw_dtype dt) {
     if (dt == KW_BOOL) return v != 0.0f;
-    if (v != v) return 0;
-    const float hi = dt == KW_I32 ? 2147483648.0f : 9223372036854775808.0f;
-    if (v >= hi) return dt == KW_I32 ? INT32_MAX : INT64_MAX;
-    if (v < -hi) return dt == KW_I32 ? INT32_MIN : INT64_MIN;
+    const float hi = dt == KW_I64 ? 9223372036854775808.0f : 2147483648.0f;
+    if (!(v >= -hi && v < hi)) return dt == KW_I64 ? INT64_MIN : INT32_MIN;
     return (int64_t)v;
 }
 

@@ -478,6 +478,26 @@ def test_true_division_of_positions_floor_log_and_sigmoid_are_native_steps(dtype
         torch.testing.assert_close(got, want, **tolerance)
 
 
+class _ToInts(torch.nn.Module):
+    def forward(self, x):
+        return x.to(torch.int64), x.to(torch.int32), x.to(torch.uint8), x.to(torch.bool)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_float_to_int_conversions_give_what_pytorch_gives_on_this_cpu_out_of_range_too(dtype):
+    """C leaves NaN and out-of-range float-to-int conversions undefined; PyTorch
+    on x86-64 gives cvttss2si's integer indefinite (uint8 through an int32)."""
+    from kwker.aten_graph import trace_to_aten
+    from kwker.lower import lower_to_plan
+
+    x = torch.tensor([float("nan"), float("inf"), -float("inf"), 3e9, -3e9, 1e19, -1e19, 300.0, -1.0, -129.0,
+                      255.9, 65543.0, 2.0**31, -2.0**31, 2.0**63, -2.0**63, 0.5, -0.5, -0.0, 2.9, -2.9]).to(dtype)
+    plan, report = lower_to_plan(trace_to_aten(_ToInts(), [x]), [x], [])
+    assert report.fallback_ops == [], report.fallback_ops
+    for got, want in zip(plan(x), _ToInts()(x)):
+        assert torch.equal(got, want), (want.dtype, got, want)
+
+
 class _Gather(torch.nn.Module):
     def forward(self, x, ids):
         return x[ids] * x[:, 0][ids].unsqueeze(-1)
