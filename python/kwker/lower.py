@@ -643,7 +643,8 @@ def _binary(name):
     """a (op) b, b a tensor or a Python number; the in-place form (add_, div_, ...)
     writes a's own memory. An integer tensor in an op whose result is floating
     (positions / a length: true division) is converted first, as TensorIterator
-    casts it to the result's dtype before the op."""
+    casts it to the result's dtype before the op; not a 0-d one under a bf16
+    result, whose exact value ATen multiplies or divides by (a scalar's)."""
 
     def lower(lw: _Lowering, node: Node):
         a, b = node.args[:2]
@@ -654,10 +655,15 @@ def _binary(name):
             return False
         y = val(a) if inplace else val(node)
 
+        def converted(t: torch.Tensor) -> bool:
+            return y.is_floating_point() and t.dtype in (torch.int64, torch.int32)
+
+        operands = [val(a)] + ([val(b)] if isinstance(b, Node) else [])
+        if y.dtype != torch.float32 and any(converted(t) and t.dim() == 0 for t in operands):
+            return False
+
         def operand(t: torch.Tensor) -> int:
-            if y.is_floating_point() and t.dtype in (torch.int64, torch.int32):
-                return lw.contiguous_copy(node, t, y.dtype)
-            return lw.view(t)
+            return lw.contiguous_copy(node, t, y.dtype) if converted(t) else lw.view(t)
 
         if isinstance(b, Node):
             return lw.op(node, "binary", [lw.view(y), operand(val(a)), operand(val(b))], [P[name]], [0.0])

@@ -348,6 +348,15 @@ class _OffCentreNorm(torch.nn.Module):
         return (h - mean) * torch.rsqrt((h - mean).pow(2).mean(-1, keepdim=True) + 1e-5)
 
 
+class _ScaledEpsNorm(torch.nn.Module):
+    """eps added with an alpha: not a norm's eps."""
+
+    def forward(self, h, other):
+        mean = h.mean(-1, keepdim=True)
+        variance = (h - mean).pow(2).mean(-1, keepdim=True)
+        return (h - mean) * torch.rsqrt(torch.add(variance, 1e-3, alpha=1e4)) + other
+
+
 class _CohereNorm(torch.nn.Module):
     """transformers' CohereLayerNorm.forward, its weight an input (as Dynamo's graphs have it)."""
 
@@ -401,10 +410,19 @@ def test_a_written_out_layer_norm_is_one_native_layer_norm(module, dtype):
         torch.testing.assert_close(got, expected, **tolerance)
 
     h, other = torch.randn(3, 96), torch.randn(3, 96)
-    off_centre = trace_to_aten(_OffCentreNorm(), [h, other])
-    counts, _ = rewrite_language_model(off_centre)
-    assert counts["layer_norm"] == 0, counts
-    torch.testing.assert_close(off_centre(h, other), _OffCentreNorm()(h, other))
+    for lookalike in (_OffCentreNorm(), _ScaledEpsNorm()):
+        traced = trace_to_aten(lookalike, [h, other])
+        counts, _ = rewrite_language_model(traced)
+        assert counts["layer_norm"] == 0, (lookalike, counts)
+        torch.testing.assert_close(traced(h, other), lookalike(h, other))
+
+    # float64 x: x.float() rounds 1e8 + 0..3 to 1e8, so eager's rows are constant and normalise to 0;
+    # the norm must be of those float32 values, not of x
+    x64, w64 = (torch.arange(96, dtype=torch.float64) % 4 + 1e8).expand(3, 96), torch.ones(96, dtype=torch.float64)
+    traced = trace_to_aten(_CohereNorm(), [x64, w64])
+    rewrite_language_model(traced)
+    assert torch.equal(_CohereNorm()(x64, w64), torch.zeros(3, 96, dtype=torch.float64))
+    assert torch.equal(traced(x64, w64), torch.zeros(3, 96, dtype=torch.float64))
 
 
 class _HFNorm(torch.nn.Module):
@@ -476,6 +494,17 @@ def test_true_division_of_positions_floor_log_and_sigmoid_are_native_steps(dtype
     for got, want in zip(plan(*inputs), module(*inputs)):
         assert got.dtype == want.dtype
         torch.testing.assert_close(got, want, **tolerance)
+
+    # A 0-d integer tensor times a bf16 one: ATen uses its exact value, not its bf16 rounding.
+    x, n = inputs[1], torch.tensor(257)
+    plan, report = lower_to_plan(trace_to_aten(_TimesCount(), [x, n]), [x, n], [])
+    assert report.fallback_ops == ([] if dtype == torch.float32 else ["aten.mul.Tensor"]), report.fallback_ops
+    assert torch.equal(plan(x, n)[0], _TimesCount()(x, n))
+
+
+class _TimesCount(torch.nn.Module):
+    def forward(self, x, n):
+        return x * n
 
 
 class _ToInts(torch.nn.Module):

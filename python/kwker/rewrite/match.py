@@ -14,6 +14,12 @@ def val(node: Node) -> torch.Tensor:
     return node.meta["val"]
 
 
+def adds_eps(node) -> bool:
+    """node is v + eps, eps a float (no alpha): a norm's variance made safe."""
+    return (is_call(node, aten.add.Tensor, aten.add.Scalar) and len(node.args) == 2 and not node.kwargs
+            and isinstance(node.args[1], float))
+
+
 def last_dim(dim, ndim: int) -> bool:
     return dim in (-1, ndim - 1)
 
@@ -34,8 +40,10 @@ def other_arg(node: Node, known) -> object:
 
 
 def strip_float_upcast(node):
-    """x for x.to(float32) (an ATen _to_copy), else the node itself."""
-    if is_call(node, aten._to_copy.default) and node.kwargs.get("dtype") == torch.float32 and len(node.kwargs) == 1:
+    """x for x.to(float32) of a bfloat16 or float16 x (exact: an ATen _to_copy),
+    else the node itself (a float64 or integer x rounds on the way)."""
+    if (is_call(node, aten._to_copy.default) and node.kwargs.get("dtype") == torch.float32 and len(node.kwargs) == 1
+            and val(node.args[0]).dtype in (torch.bfloat16, torch.float16)):
         return node.args[0]
     return node
 

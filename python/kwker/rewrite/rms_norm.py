@@ -5,7 +5,8 @@ import operator
 import torch
 
 from kwker.custom_ops import NORM_GEMMA, NORM_LLAMA, NORM_OLMO, ops
-from kwker.rewrite.match import aten, is_call, last_dim, only_user, other_arg, replace, strip_float_upcast, val
+from kwker.rewrite.match import (adds_eps, aten, is_call, last_dim, only_user, other_arg, replace, strip_float_upcast,
+                                  val)
 
 
 def fuse_rms_norm(gm: torch.fx.GraphModule) -> int:
@@ -22,7 +23,7 @@ def _fuse_one(graph, rsqrt) -> int:
     with h = x.to(float32). T5's multiplies x itself by the float32 rsqrt: type
     promotion makes that h. In float32 OLMo 2's is Llama's (no cast is a node)."""
     add = rsqrt.args[0]
-    if not is_call(add, aten.add.Tensor, aten.add.Scalar) or not isinstance(add.args[1], float):
+    if not adds_eps(add):
         return 0
     mean = add.args[0]
     if not (is_call(mean, aten.mean.dim) and len(mean.args) >= 3 and mean.args[2] is True):
