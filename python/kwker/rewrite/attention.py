@@ -11,17 +11,13 @@ import operator
 import torch
 
 from kwker.custom_ops import ops
-from kwker.rewrite.match import aten, is_call, val
+from kwker.rewrite.match import aten, fuse_each, is_call, val
 
 SDPA = (aten._scaled_dot_product_flash_attention_for_cpu.default,)
 
 
 def fuse_attention(gm: torch.fx.GraphModule) -> int:
-    count = 0
-    for sdpa in list(gm.graph.nodes):
-        if is_call(sdpa, *SDPA):
-            count += _fuse_one(gm.graph, sdpa)
-    return count
+    return fuse_each(gm, SDPA, _fuse_one)
 
 
 def _fuse_one(graph, sdpa) -> int:

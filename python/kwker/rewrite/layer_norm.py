@@ -14,23 +14,12 @@ import operator
 
 import torch
 
-from kwker.rewrite.match import adds_eps, aten, is_call, last_dim, only_user, other_arg, strip_float_upcast, val
+from kwker.rewrite.match import (adds_eps, aten, fuse_each, is_call, last_dim_mean, only_user, other_arg,
+                                  strip_float_upcast, val)
 
 
 def fuse_layer_norm(gm: torch.fx.GraphModule) -> int:
-    count = 0
-    for rsqrt in list(gm.graph.nodes):
-        if is_call(rsqrt, aten.rsqrt.default):
-            count += _fuse_one(gm.graph, rsqrt)
-    return count
-
-
-def _last_dim_mean_of(node, of=None) -> bool:
-    """node is mean(of, [-1], keepdim=True) (any `of` when None)."""
-    if not (is_call(node, aten.mean.dim) and len(node.args) >= 3 and node.args[2] is True and not node.kwargs):
-        return False
-    dims, x = node.args[1], node.args[0]
-    return (of is None or x is of) and len(dims) == 1 and last_dim(dims[0], val(x).dim())
+    return fuse_each(gm, (aten.rsqrt.default,), _fuse_one)
 
 
 def _centred(node, h, mean) -> bool:
@@ -42,7 +31,7 @@ def _fuse_one(graph, rsqrt) -> int:
     if not adds_eps(add):
         return 0
     var = add.args[0]
-    if not _last_dim_mean_of(var):
+    if not last_dim_mean(var):
         return 0
     pow_ = var.args[0]
     if not (is_call(pow_, aten.pow.Tensor_Scalar) and pow_.args[1] == 2):
@@ -51,7 +40,7 @@ def _fuse_one(graph, rsqrt) -> int:
     if not is_call(centred, aten.sub.Tensor):
         return 0
     h, mean = centred.args[:2]
-    if not (_centred(centred, h, mean) and _last_dim_mean_of(mean, h) and val(h).dtype == torch.float32):
+    if not (_centred(centred, h, mean) and last_dim_mean(mean) and mean.args[0] is h and val(h).dtype == torch.float32):
         return 0
     normed = next((u for u in rsqrt.users if is_call(u, aten.mul.Tensor) and _centred(other_arg(u, rsqrt), h, mean)),
                   None)

@@ -14,6 +14,20 @@ def val(node: Node) -> torch.Tensor:
     return node.meta["val"]
 
 
+def fuse_each(gm: torch.fx.GraphModule, targets: tuple, fuse_one) -> int:
+    """fuse_one(graph, node) for each call of one of targets (over a snapshot of
+    the nodes: a fusion inserts some); the sum of what it returns."""
+    return sum(fuse_one(gm.graph, node) for node in list(gm.graph.nodes) if is_call(node, *targets))
+
+
+def last_dim_mean(node) -> bool:
+    """node is x.mean(-1, keepdim=True), in x's own dtype."""
+    if not (is_call(node, aten.mean.dim) and len(node.args) == 3 and node.args[2] is True and not node.kwargs):
+        return False
+    dims = node.args[1]
+    return len(dims) == 1 and last_dim(dims[0], val(node.args[0]).dim())
+
+
 def adds_eps(node) -> bool:
     """node is v + eps, eps a float (no alpha): a norm's variance made safe."""
     return (is_call(node, aten.add.Tensor, aten.add.Scalar) and len(node.args) == 2 and not node.kwargs

@@ -5,16 +5,12 @@ import operator
 import torch
 
 from kwker.custom_ops import NORM_GEMMA, NORM_LLAMA, NORM_OLMO, ops
-from kwker.rewrite.match import (adds_eps, aten, is_call, last_dim, only_user, other_arg, replace, strip_float_upcast,
-                                  val)
+from kwker.rewrite.match import (adds_eps, aten, fuse_each, is_call, last_dim_mean, only_user, other_arg, replace,
+                                  strip_float_upcast, val)
 
 
 def fuse_rms_norm(gm: torch.fx.GraphModule) -> int:
-    count = 0
-    for rsqrt in list(gm.graph.nodes):
-        if is_call(rsqrt, aten.rsqrt.default):
-            count += _fuse_one(gm.graph, rsqrt)
-    return count
+    return fuse_each(gm, (aten.rsqrt.default,), _fuse_one)
 
 
 def _fuse_one(graph, rsqrt) -> int:
@@ -26,14 +22,12 @@ def _fuse_one(graph, rsqrt) -> int:
     if not adds_eps(add):
         return 0
     mean = add.args[0]
-    if not (is_call(mean, aten.mean.dim) and len(mean.args) >= 3 and mean.args[2] is True):
+    if not last_dim_mean(mean):
         return 0
     pow_ = mean.args[0]
     if not (is_call(pow_, aten.pow.Tensor_Scalar) and pow_.args[1] == 2):
         return 0
     h = pow_.args[0]
-    if list(mean.args[1]) != [-1] and not (len(mean.args[1]) == 1 and last_dim(mean.args[1][0], val(h).dim())):
-        return 0
     if val(h).dtype != torch.float32:
         return 0
     x, eps = strip_float_upcast(h), add.args[1]
