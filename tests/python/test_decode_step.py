@@ -1,6 +1,7 @@
 """The replayed decode step's own guarantees: packed weights stay in step with the
 model's, wide weights are read K-blocked, and a wrong call raises."""
 
+import importlib
 import re
 import types
 
@@ -357,13 +358,17 @@ class _ScaledEpsNorm(torch.nn.Module):
         return (h - mean) * torch.rsqrt(torch.add(variance, 1e-3, alpha=1e4)) + other
 
 
-class _CohereNorm(torch.nn.Module):
-    """transformers' CohereLayerNorm.forward, its weight an input (as Dynamo's graphs have it)."""
+class _HFNorm(torch.nn.Module):
+    """transformers' <Name> norm of models/<model>, its forward with the weight an
+    input (as Dynamo's graphs have it); the class is looked up when first called."""
+
+    def __init__(self, model: str, name: str, eps: float):
+        super().__init__()
+        self.model, self.name, self.eps = model, name, eps
 
     def forward(self, x, weight):
-        from transformers.models.cohere.modeling_cohere import CohereLayerNorm
-
-        return CohereLayerNorm.forward(types.SimpleNamespace(weight=weight, variance_epsilon=1e-5), x)
+        module = importlib.import_module(f"transformers.models.{self.model}.modeling_{self.model}")
+        return getattr(module, self.name).forward(types.SimpleNamespace(weight=weight, variance_epsilon=self.eps), x)
 
 
 class _UnweightedNorm(torch.nn.Module):
@@ -384,30 +389,41 @@ class _OffCentreNorm(torch.nn.Module):
         return (h - mean) * torch.rsqrt((h - mean).pow(2).mean(-1, keepdim=True) + 1e-5)
 
 
+def _assert_native_and_close(traced, module, inputs, dtype, bf16_tolerance):
+    """traced lowers with no fallback step, and both it and its plan give
+    module's result in its dtype (float32 within 1e-5, bf16 within the given
+    tolerance)."""
+    from kwker.lower import lower_to_plan
+
+    plan, report = lower_to_plan(traced, inputs, [])
+    assert report.fallback_ops == [], report.fallback_ops
+    expected = module(*inputs)
+    tolerance = 1e-5 if dtype == torch.float32 else bf16_tolerance
+    for got in (plan(*inputs)[0], traced(*inputs)):
+        assert got.dtype == dtype
+        torch.testing.assert_close(got, expected, rtol=tolerance, atol=tolerance)
+
+
+COHERE_NORM = _HFNorm("cohere", "CohereLayerNorm", 1e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("module", [_CohereNorm(), _UnweightedNorm()], ids=["cohere", "unweighted"])
+@pytest.mark.parametrize("module", [COHERE_NORM, _UnweightedNorm()], ids=["cohere", "unweighted"])
 def test_a_written_out_layer_norm_is_one_native_layer_norm(module, dtype):
     """Cohere's CohereLayerNorm (x upcast, centred, scaled by the rsqrt of the
     biased variance, times the weight in float32, rounded back once) becomes
     ATen's native_layer_norm, which the plan runs natively and eagerly as
     PyTorch's; a centring on another tensor's mean is left as it is."""
     from kwker.aten_graph import trace_to_aten
-    from kwker.lower import lower_to_plan
     from kwker.rewrite import rewrite_language_model
 
     torch.manual_seed(0)
     inputs = [(torch.randn(3, 96) * 4 + 1).to(dtype), (torch.randn(96) * 0.5 + 1).to(dtype)]
-    inputs = inputs[:2 if isinstance(module, _CohereNorm) else 1]
+    inputs = inputs[:2 if module is COHERE_NORM else 1]
     traced = trace_to_aten(module, inputs)
     counts, _ = rewrite_language_model(traced)
     assert counts["layer_norm"] == 1, counts
-    plan, report = lower_to_plan(traced, inputs, [])
-    assert report.fallback_ops == [], report.fallback_ops
-    expected = module(*inputs)
-    tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2**-7, atol=2**-7)
-    for got in (plan(*inputs)[0], traced(*inputs)):
-        assert got.dtype == dtype
-        torch.testing.assert_close(got, expected, **tolerance)
+    _assert_native_and_close(traced, module, inputs, dtype, bf16_tolerance=2**-7)
 
     h, other = torch.randn(3, 96), torch.randn(3, 96)
     for lookalike in (_OffCentreNorm(), _ScaledEpsNorm()):
@@ -419,38 +435,23 @@ def test_a_written_out_layer_norm_is_one_native_layer_norm(module, dtype):
     # float64 x: x.float() rounds 1e8 + 0..3 to 1e8, so eager's rows are constant and normalise to 0;
     # the norm must be of those float32 values, not of x
     x64, w64 = (torch.arange(96, dtype=torch.float64) % 4 + 1e8).expand(3, 96), torch.ones(96, dtype=torch.float64)
-    traced = trace_to_aten(_CohereNorm(), [x64, w64])
+    traced = trace_to_aten(COHERE_NORM, [x64, w64])
     rewrite_language_model(traced)
-    assert torch.equal(_CohereNorm()(x64, w64), torch.zeros(3, 96, dtype=torch.float64))
+    assert torch.equal(COHERE_NORM(x64, w64), torch.zeros(3, 96, dtype=torch.float64))
     assert torch.equal(traced(x64, w64), torch.zeros(3, 96, dtype=torch.float64))
 
 
-class _HFNorm(torch.nn.Module):
-    """A transformers RMSNorm's forward, its weight an input (as Dynamo's graphs have it)."""
-
-    def __init__(self, norm_class):
-        super().__init__()
-        self.norm_class = norm_class
-
-    def forward(self, x, weight):
-        return self.norm_class.forward(types.SimpleNamespace(weight=weight, variance_epsilon=1e-6), x)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("arch", ["olmo2", "helium"])
-def test_olmo2s_and_heliums_rms_norms_are_one_native_rms_norm_rounded_once(arch, dtype):
+@pytest.mark.parametrize("module", [_HFNorm("olmo2", "Olmo2RMSNorm", 1e-6), _HFNorm("helium", "HeliumRMSNorm", 1e-6)],
+                         ids=["olmo2", "helium"])
+def test_olmo2s_and_heliums_rms_norms_are_one_native_rms_norm_rounded_once(module, dtype):
     """OLMo 2's RMSNorm multiplies the bf16 weight into the float32 x̂ and rounds
     once, Helium's the weight made float32: kwker's rms_norm in its OLMo form
     (in float32 both are Llama's), natively, within one rounding of eager."""
-    from transformers.models.helium.modeling_helium import HeliumRMSNorm
-    from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
-
     from kwker.aten_graph import trace_to_aten
     from kwker.custom_ops import NORM_LLAMA, NORM_OLMO
-    from kwker.lower import lower_to_plan
     from kwker.rewrite import rewrite_language_model
 
-    module = _HFNorm({"olmo2": Olmo2RMSNorm, "helium": HeliumRMSNorm}[arch])
     torch.manual_seed(0)
     inputs = [(torch.randn(3, 96) * 4).to(dtype), (torch.randn(96) * 0.5 + 1).to(dtype)]
     traced = trace_to_aten(module, inputs)
@@ -458,13 +459,7 @@ def test_olmo2s_and_heliums_rms_norms_are_one_native_rms_norm_rounded_once(arch,
     assert counts["rms_norm"] == 1, counts
     (norm,) = [n for n in traced.graph.nodes if n.target is torch.ops.kwker.rms_norm.default]
     assert norm.args[3] == (NORM_LLAMA if dtype == torch.float32 else NORM_OLMO)
-    plan, report = lower_to_plan(traced, inputs, [])
-    assert report.fallback_ops == [], report.fallback_ops
-    expected = module(*inputs)
-    tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2**-8, atol=2**-8)
-    for got in (plan(*inputs)[0], traced(*inputs)):
-        assert got.dtype == dtype
-        torch.testing.assert_close(got, expected, **tolerance)
+    _assert_native_and_close(traced, module, inputs, dtype, bf16_tolerance=2**-8)
 
 
 class _PositionScaleAndGate(torch.nn.Module):
