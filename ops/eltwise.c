@@ -19,6 +19,11 @@
  *   unary    y = f(x), f = ip[0] (kw_unary_op: cos, sin, exp, ...), y with x's
  *            dtype. Scalar only (libm): it serves decode-sized tensors such as
  *            the rotary tables, where a vector variant would buy nothing.
+ *   compare  y = a (op) b, op = ip[0] (kw_compare_op: eq, ne, lt, le, gt, ge),
+ *            y bool; a and b of one dtype: int64 or int32 (compared as
+ *            integers), float32 or bfloat16 (a NaN is unequal to everything);
+ *            b absent: b = fp[0], rounded to a's dtype as ATen casts a scalar.
+ *            Scalar only: it serves masks made once per call.
  *   where    y = cond ? x : fp[0] (ip[0] KW_WHERE_X_IF_TRUE) or cond ? fp[0] : x
  *            (KW_WHERE_X_IF_FALSE), cond bool, x and y float32 or bfloat16 of one
  *            dtype (fp[0] rounded to it). Scalar only: it serves masks made once
@@ -367,6 +372,65 @@ static void where_share(const kw__ew *e, int ith, int nth) {
             where_run(e, off, n, KW_BF16);
 }
 
+/* ---- compare ---- */
+
+static void compare_share(const kw__ew *e, int ith, int nth);
+
+static int is_int(kw_dtype dt) { return dt == KW_I64 || dt == KW_I32; }
+
+static int compare_prepare(const kw_call *c, kw_isa isa, void *prep, char *msg, size_t len) {
+    const kw_tensor *y = &c->t[0], *a = &c->t[1], *b = &c->t[2];
+    const int has_b = kw__present(b), ints = is_int(a->dtype);
+    kw__ew *e = prep;
+    int err;
+    if ((err = need(y, "compare", "y", 0, msg, len)) || (err = need(a, "compare", "a", 0, msg, len))) return err;
+    if (c->ip[0] < 0 || c->ip[0] >= KW_COMPARE_COUNT)
+        return kw__fail(msg, len, KW_EINVAL, "compare: ip[0] must be a kw_compare_op (got %lld)", (long long)c->ip[0]);
+    if (y->dtype != KW_BOOL || !(ints || kw__is_float(a->dtype)) || (has_b && b->dtype != a->dtype))
+        return kw__fail(msg, len, KW_EDTYPE,
+                        "compare: y must be bool, a int64, int32, float32 or bfloat16 and b of a's dtype (got y %s, "
+                        "a %s, b %s)",
+                        kw__shape(y).s, kw__shape(a).s, has_b ? kw__shape(b).s : "absent");
+    /* ATen casts a scalar to a's dtype first: a float one is rounded, an integer
+     * one must be exact, and in int32's range for an int32 a (where ATen wraps it). */
+    const double lim = a->dtype == KW_I32 ? 2147483647.0 : 0x1p53, s = c->fp[0];
+    if (!has_b && ints && !(s >= -lim - (a->dtype == KW_I32) && s <= lim && s == (double)(int64_t)s))
+        return kw__fail(msg, len, KW_EINVAL, "compare: an integer a takes an integer scalar b (fp[0]) within %s (got %g)",
+                        a->dtype == KW_I32 ? "int32's range" : "+-2^53", s);
+    e->mode = (int)c->ip[0];
+    e->scalar = ints ? s : kw__round_to((float)s, a->dtype);
+    e->run = compare_share;
+    return ew_init(e, c, has_b ? 2 : 1, "compare", msg, len);
+}
+
+/* NaN compares unequal to everything, itself included, as in C. */
+#define KW__COMPARE(op, x, z)             \
+    ((op) == KW_COMPARE_EQ   ? (x) == (z) \
+     : (op) == KW_COMPARE_NE ? (x) != (z) \
+     : (op) == KW_COMPARE_LT ? (x) < (z)  \
+     : (op) == KW_COMPARE_LE ? (x) <= (z) \
+     : (op) == KW_COMPARE_GT ? (x) > (z)  \
+                             : (x) >= (z))
+
+static void compare_share(const kw__ew *e, int ith, int nth) {
+    const int last = e->nd.ndim - 1, ints = is_int(e->at);
+    kw__nd_it it = kw__nd_share(&e->nd, ith, nth);
+    int64_t off[3], n;
+    while (kw__nd_next(&e->nd, &it, off, &n))
+        for (int64_t i = 0; i < n; i++) {
+            const int64_t ao = off[1] + i * e->nd.stride[1][last], bo = off[2] + i * e->nd.stride[2][last];
+            uint8_t r;
+            if (ints) {
+                const int64_t x = ld_int(e->a, ao, e->at), z = e->b ? ld_int(e->b, bo, e->bt) : (int64_t)e->scalar;
+                r = KW__COMPARE(e->mode, x, z);
+            } else {
+                const float x = kw__ldf(e->a, ao, e->at), z = e->b ? kw__ldf(e->b, bo, e->bt) : (float)e->scalar;
+                r = KW__COMPARE(e->mode, x, z);
+            }
+            ((uint8_t *)e->y)[off[0] + i * e->nd.stride[0][last]] = r;
+        }
+}
+
 /* ---- ops ---- */
 
 static void ew_kernel(const kw_call *c, int ith, int nth) {
@@ -447,6 +511,19 @@ const kw_op_info kw_op_info_where = {
     .prep_size = sizeof(kw__ew),
     .kernel = ew_kernel,
     .in_place = 1,
+};
+
+/* Slots y, a, b (optional; both broadcast to y); ip[0] kw_compare_op; fp[0] b
+ * when b is absent. */
+const kw_op_info kw_op_info_compare = {
+    .name = "compare",
+    .n_tensors = 3,
+    .arg = {{"y", KW_WRITE, 0}, {"a", KW_READ, 0}, {"b", KW_READ, 1}},
+    .n_ip = 1,
+    .n_fp = 1,
+    .prepare = compare_prepare,
+    .prep_size = sizeof(kw__ew),
+    .kernel = ew_kernel,
 };
 
 /* Slots y, x (x broadcast to y; also a plain strided copy when dtypes match). */

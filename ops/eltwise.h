@@ -1,5 +1,5 @@
 /* eltwise.h — private to the elementwise ops (binary, unary, silu_mul,
- * gelu_mul, gelu, where, convert): a prepared call as the operands walked by one broadcast iterator
+ * gelu_mul, gelu, where, compare, convert): a prepared call as the operands walked by one broadcast iterator
  * (kw__nd), filled once by eltwise.c and run on a thread's share by the ISA
  * variant prepare picked. */
 #ifndef KW_ELTWISE_H
@@ -16,8 +16,9 @@ struct kw__ew {
     char *y;
     const char *a, *b; /* b NULL: binary uses `scalar` instead */
     kw_dtype yt, at, bt;
-    int mode;     /* binary: kw_binary_op; unary: kw_unary_op; gelu, gelu_mul: KW_GELU_*; where: KW_WHERE_* */
-    double scalar; /* binary: b when slot 2 is absent (fp[0]); where: the value not taken from x */
+    int mode;     /* binary: kw_binary_op; unary: kw_unary_op; gelu, gelu_mul: KW_GELU_*; where: KW_WHERE_*;
+                     compare: kw_compare_op */
+    double scalar; /* binary, compare: b when slot 2 is absent (fp[0]); where: the value not taken from x */
     kw__ew_fn run;
 };
 

@@ -675,6 +675,52 @@ def _binary(name):
     return lower
 
 
+def _compare(name):
+    """a (op) b into a bool tensor: a and b of one dtype, or b a Python number,
+    which compare casts to a's dtype as ATen does (a float one into an integer
+    tensor's comparison is ATen's float comparison: left to it)."""
+
+    def lower(lw: _Lowering, node: Node):
+        a, b = node.args[:2]
+        if not isinstance(a, Node):
+            return False
+        y, at = lw.view(val(node)), val(a)
+        if isinstance(b, Node):
+            if val(b).dtype != at.dtype:
+                return False
+            return lw.op(node, "compare", [y, lw.view(at), lw.view(val(b))], [P[name]], [0.0])
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or (isinstance(b, float) and not at.is_floating_point()):
+            return False
+        if isinstance(b, int) and abs(b) > 2**53:  # a float64 fp[0] would round it
+            return False
+        lw.op(node, "compare", [y, lw.view(at), None], [P[name]], [float(b)])
+
+    return lower
+
+
+def _lower_bmm(lw: _Lowering, node: Node):
+    """bmm(a, b), baddbmm(c, a, b, beta=, alpha=): y = alpha · (a @ b) + beta · c,
+    c broadcast to y. a and b are read where they lie when bmm's layouts allow
+    (BLOOM's kᵀ is a transposed view of its cache's rows, its V the rows
+    themselves), else from native contiguous copies. Up to BMM_MAX_M rows of a
+    per batch (kw_ops.h): more are ATen's (a fallback step)."""
+    if node.target is aten.bmm.default:
+        (a, b), c, alpha, beta = node.args[:2], None, 1.0, 0.0
+    else:
+        c, a, b = node.args[:3]
+        beta, alpha = node.kwargs.get("beta", 1), node.kwargs.get("alpha", 1)
+    y = val(node)
+    if y.shape[1] > P["BMM_MAX_M"] or any(not isinstance(x, (int, float)) or isinstance(x, bool) for x in (alpha, beta)):
+        return False
+    if c is not None and (not isinstance(c, Node) or val(c).dtype != y.dtype):
+        return False
+    views = [lw.view(y), lw.view(val(a)), lw.view(val(b)), None if c is None else lw.view(val(c).expand(y.shape))]
+    fp = [float(alpha), float(beta)]
+    if lw.b.check_op("bmm", views, [], fp) is not None:
+        views[1:3] = lw.contiguous_copy(node, val(a)), lw.contiguous_copy(node, val(b))
+    lw.op(node, "bmm", views, [], fp)
+
+
 def _lower_small_sum(lw: _Lowering, node: Node):
     """sum over one dim of 1 or 2 values (a top-1 or top-2 router's weights, a
     mixture of two experts' outputs), or of 3 or 4 float32 ones (a top-3 or
@@ -837,6 +883,20 @@ LOWERINGS = {
     aten.mul.Tensor: _binary("BINARY_MUL"),
     aten.div.Tensor: _binary("BINARY_DIV"),
     aten.floor_divide.default: _binary("BINARY_FLOOR_DIV"),
+    aten.eq.Tensor: _compare("COMPARE_EQ"),
+    aten.eq.Scalar: _compare("COMPARE_EQ"),
+    aten.ne.Tensor: _compare("COMPARE_NE"),
+    aten.ne.Scalar: _compare("COMPARE_NE"),
+    aten.lt.Tensor: _compare("COMPARE_LT"),
+    aten.lt.Scalar: _compare("COMPARE_LT"),
+    aten.le.Tensor: _compare("COMPARE_LE"),
+    aten.le.Scalar: _compare("COMPARE_LE"),
+    aten.gt.Tensor: _compare("COMPARE_GT"),
+    aten.gt.Scalar: _compare("COMPARE_GT"),
+    aten.ge.Tensor: _compare("COMPARE_GE"),
+    aten.ge.Scalar: _compare("COMPARE_GE"),
+    aten.bmm.default: _lower_bmm,
+    aten.baddbmm.default: _lower_bmm,
     aten.sum.dim_IntList: _lower_small_sum,
     aten.neg.default: _lower_neg,
     aten.relu.default: _lower_relu,

@@ -494,3 +494,79 @@ Test(unary, rejects_a_bad_mode_and_mixed_dtypes) {
     k.c.t[0].dtype = KW_F32;
     tt_free(&k);
 }
+
+/* ---- compare: slots y 0, a 1, b 2 (optional); ip[0] kw_compare_op ---- */
+
+static int compare_ref(int op, double a, double b) {
+    switch (op) {
+    case KW_COMPARE_EQ: return a == b;
+    case KW_COMPARE_NE: return a != b;
+    case KW_COMPARE_LT: return a < b;
+    case KW_COMPARE_LE: return a <= b;
+    case KW_COMPARE_GT: return a > b;
+    default: return a >= b;
+    }
+}
+
+Test(compare, every_op_on_broadcast_operands_and_scalars_nans_unequal) {
+    tt_rng r = {57};
+    static const kw_dtype dts[] = {KW_I64, KW_I32, KW_F32, KW_BF16};
+    for (int trial = 0; trial < 48; trial++) {
+        const int op = trial % KW_COMPARE_COUNT, scalar = trial / KW_COMPARE_COUNT % 2;
+        const kw_dtype dt = dts[trial / (2 * KW_COMPARE_COUNT)];
+        const int64_t M = 5, N = 11;
+        tt_case k = {0};
+        /* small integers, so that equal values are common; a transposed a */
+        kw_tensor *a = tt_tensor(&k, 1, dt, 2, TT_DIMS(M, N), TT_DIMS(1, M), -3, 3, &r);
+        kw_tensor *b = scalar ? NULL : tt_tensor(&k, 2, dt, 2, TT_DIMS(1, N), NULL, -3, 3, &r);
+        kw_tensor *y = tt_tensor(&k, 0, KW_BOOL, 2, TT_DIMS(M, N), NULL, 0, 1, &r);
+        tt_set(a, (int64_t[]){1, 1}, 1.0); /* equal to the scalar (in bf16) */
+        if (b) tt_set(a, (int64_t[]){2, 3}, tt_get(b, (int64_t[]){0, 3}));
+        if (dt == KW_F32 || dt == KW_BF16) {
+            tt_set(a, (int64_t[]){0, 0}, NAN);
+            if (b) tt_set(b, (int64_t[]){0, 1}, NAN);
+        }
+        k.c.ip[0] = op;
+        k.c.fp[0] = dt == KW_I64 || dt == KW_I32 ? 1.0 : 1.00390625; /* float: 1 + 2^-8, 1.0 in bf16 */
+        tt_run(KW_OP_COMPARE, kw_cpu_isa(), &k.c, 2);
+        for (int64_t i = 0; i < M; i++)
+            for (int64_t j = 0; j < N; j++) {
+                const int64_t at[2] = {i, j}, b_at[2] = {0, j};
+                const double bv = b ? tt_get(b, b_at) : kw__round_to((float)k.c.fp[0], dt == KW_BF16 ? KW_BF16 : KW_F32);
+                cr_assert_eq(tt_get(y, at), compare_ref(op, tt_get(a, at), bv), "trial %d op %d [%lld, %lld]: %g vs %g",
+                             trial, op, (long long)i, (long long)j, tt_get(a, at), bv);
+            }
+        tt_free(&k);
+    }
+}
+
+Test(compare, int64_is_compared_exactly_and_bad_calls_are_named) {
+    tt_case k = {0};
+    tt_rng r = {58};
+    kw_tensor *a = tt_tensor(&k, 1, KW_I64, 1, TT_DIMS(2), NULL, 0, 0, &r);
+    kw_tensor *b = tt_tensor(&k, 2, KW_I64, 1, TT_DIMS(2), NULL, 0, 0, &r);
+    kw_tensor *y = tt_tensor(&k, 0, KW_BOOL, 1, TT_DIMS(2), NULL, 0, 0, &r);
+    ((int64_t *)a->data)[0] = INT64_MAX, ((int64_t *)b->data)[0] = INT64_MAX - 1; /* equal as doubles */
+    ((int64_t *)a->data)[1] = INT64_MIN, ((int64_t *)b->data)[1] = INT64_MIN;
+    k.c.ip[0] = KW_COMPARE_LE;
+    tt_run(KW_OP_COMPARE, kw_cpu_isa(), &k.c, 1);
+    cr_expect_eq(((uint8_t *)y->data)[0], 0);
+    cr_expect_eq(((uint8_t *)y->data)[1], 1);
+    k.c.ip[0] = KW_COMPARE_COUNT;
+    tt_expect_reject(KW_OP_COMPARE, &k.c, KW_EINVAL, "ip[0] must be a kw_compare_op");
+    k.c.ip[0] = KW_COMPARE_EQ;
+    b->dtype = KW_I32;
+    tt_expect_reject(KW_OP_COMPARE, &k.c, KW_EDTYPE, "b of a's dtype");
+    b->dtype = KW_I64, y->dtype = KW_U8;
+    tt_expect_reject(KW_OP_COMPARE, &k.c, KW_EDTYPE, "y must be bool");
+    y->dtype = KW_BOOL;
+    k.c.t[2] = (kw_tensor){0};
+    k.c.fp[0] = 0x1p54;
+    tt_expect_reject(KW_OP_COMPARE, &k.c, KW_EINVAL, "integer scalar b (fp[0]) within +-2^53");
+    k.c.fp[0] = 0.5;
+    tt_expect_reject(KW_OP_COMPARE, &k.c, KW_EINVAL, "integer scalar");
+    a->dtype = KW_I32, a->stride[0] = 2; /* int32 view of the same memory */
+    k.c.fp[0] = 2147483648.0;
+    tt_expect_reject(KW_OP_COMPARE, &k.c, KW_EINVAL, "within int32's range");
+    tt_free(&k);
+}

@@ -535,3 +535,83 @@ Test(sort, orders_each_row_keeping_equal_values_in_their_order) {
         tt_free(&k);
     }
 }
+
+/* ---- bmm: slots y 0, a 1, b 2, c 3 (optional); fp[0] alpha, fp[1] beta ---- */
+
+/* b row-contiguous (V), or column-contiguous (kᵀ: the transpose of [B, N, K] rows
+ * with a gap after each); c absent, full, or one row broadcast over M (ALiBi's
+ * [B·H, 1, S] bias) with a NaN in it when beta is 0 (ATen reads no c then). */
+static void bmm_case(tt_case *k, kw_dtype dt, int64_t B, int64_t M, int64_t N, int64_t K, int columns, int c_kind,
+                     double beta, tt_rng *r) {
+    tt_padded(k, 1, dt, 3, TT_DIMS(B, M, K), tt_int(r, 0, 2), -2, 2, r);
+    if (columns)
+        tt_tensor(k, 2, dt, 3, TT_DIMS(B, K, N), TT_DIMS(N * (K + 3), 1, K + 3), -2, 2, r);
+    else
+        tt_padded(k, 2, dt, 3, TT_DIMS(B, K, N), tt_int(r, 0, 2), -2, 2, r);
+    tt_padded(k, 0, dt, 3, TT_DIMS(B, M, N), tt_int(r, 0, 2), 0, 0, r);
+    if (c_kind) {
+        kw_tensor *c = c_kind == 1 ? tt_padded(k, 3, dt, 3, TT_DIMS(B, M, N), 1, -4, 4, r)
+                                   : tt_tensor(k, 3, dt, 3, TT_DIMS(B, M, N), TT_DIMS(N, 0, 1), -4, 4, r);
+        if (beta == 0) tt_set(c, (int64_t[]){0, 0, N - 1}, NAN);
+    }
+    k->c.fp[0] = tt_int(r, 0, 1) ? 1.0 : 0.125;
+    k->c.fp[1] = beta;
+}
+
+Test(bmm, every_variant_matches_the_reference) {
+    tt_rng r = {61};
+    static const int64_t Ns[] = {1, 5, 16, 17, 64, 65, 130}, Ks[] = {1, 3, 16, 33, 64, 100};
+    static const double betas[] = {0, 0.5, 1, -2};
+    for (int trial = 0; trial < 96; trial++) {
+        const kw_dtype dt = fdt[trial % 2];
+        const int columns = trial / 2 % 2, c_kind = trial / 4 % 3;
+        const int64_t N = Ns[tt_int(&r, 0, 6)], K = Ks[tt_int(&r, 0, 5)];
+        tt_case k = {0};
+        bmm_case(&k, dt, tt_int(&r, 1, 4), tt_int(&r, 1, 3), N, K, columns, c_kind, c_kind ? betas[trial / 12 % 4] : 0,
+                 &r);
+        /* sums of K products of either sign, in another order than the reference's */
+        tt_check_variants(KW_OP_BMM, &k, (tt_tol){2e-6 * (double)K, dt == KW_BF16 ? 0x1p-7 : 1e-5}, "bmm");
+        tt_free(&k);
+    }
+}
+
+Test(bmm, reference_matches_double_precision) {
+    tt_rng r = {62};
+    for (int trial = 0; trial < 6; trial++) {
+        const int64_t B = 2, M = 3, N = 37, K = 29;
+        const double beta = (double[]){0, 1, -2}[trial % 3];
+        tt_case k = {0};
+        bmm_case(&k, KW_F32, B, M, N, K, trial % 2, trial % 3 ? 1 + trial % 2 : 1, beta, &r);
+        tt_run(KW_OP_BMM, KW_ISA_SCALAR, &k.c, 1);
+        const kw_tensor *y = &k.c.t[0], *a = &k.c.t[1], *m = &k.c.t[2], *c = &k.c.t[3];
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t i = 0; i < M; i++)
+                for (int64_t j = 0; j < N; j++) {
+                    double s = 0;
+                    for (int64_t x = 0; x < K; x++) s += tt_get(a, (int64_t[]){b, i, x}) * tt_get(m, (int64_t[]){b, x, j});
+                    const int64_t at[3] = {b, i, j};
+                    const double want = k.c.fp[0] * s + (beta != 0 ? beta * tt_get(c, at) : 0.0);
+                    cr_assert_leq(fabs(tt_get(y, at) - want), 1e-5 * (fabs(want) + 1), "trial %d y[%lld,%lld,%lld] = %.9g, want %.9g",
+                                  trial, (long long)b, (long long)i, (long long)j, tt_get(y, at), want);
+                }
+        tt_free(&k);
+    }
+}
+
+Test(bmm, check_names_the_bad_layout_or_dtype) {
+    tt_rng r = {63};
+    tt_case k = {0};
+    bmm_case(&k, KW_F32, 2, 3, 5, 7, 0, 1, 1.0, &r);
+    kw_tensor *y = &k.c.t[0], *m = &k.c.t[2], *c = &k.c.t[3];
+    m->stride[2] = 2; /* neither rows nor columns contiguous */
+    tt_expect_reject(KW_OP_BMM, &k.c, KW_ESHAPE, "b's rows, or b's columns and a's rows");
+    m->stride[2] = 1, y->stride[2] = 3;
+    tt_expect_reject(KW_OP_BMM, &k.c, KW_ESHAPE, "y's rows must be contiguous");
+    y->stride[2] = 1, c->dtype = KW_BF16;
+    tt_expect_reject(KW_OP_BMM, &k.c, KW_ESHAPE, "c must be y's shape and dtype");
+    c->dtype = KW_F32, m->shape[1] = 6;
+    tt_expect_reject(KW_OP_BMM, &k.c, KW_ESHAPE, "b must be [2, 7, N]");
+    m->shape[1] = 7, y->dtype = KW_BF16;
+    tt_expect_reject(KW_OP_BMM, &k.c, KW_ESHAPE, "y must be [2, 3, 5]");
+    tt_free(&k);
+}

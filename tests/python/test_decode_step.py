@@ -992,3 +992,71 @@ def test_a_step_that_writes_a_parameter_through_a_view_is_not_a_decode_step():
     assert classify_decode_step(trace_to_aten(step, inputs), inputs) == "mul_ writes the parameter weight_1"
     inputs[1] = torch.ones(2, 2)  # a plain input (a cache's counter, say) may be written
     assert classify_decode_step(trace_to_aten(step, inputs), inputs) is None
+
+
+class _BatchedProducts(torch.nn.Module):
+    """BLOOM's attention as its steps have it (baddbmm of the ALiBi bias and
+    q·kᵀ, kᵀ a transposed view of the cache's rows; probabilities times V),
+    a bias given per row with beta 0 (ATen then reads none of it, NaN included),
+    and a product whose second operand is laid out neither by rows nor by columns."""
+
+    def forward(self, alibi, q, k, v, full, odd):
+        scores = alibi.baddbmm(q, k.transpose(-1, -2), beta=1.0, alpha=0.125)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        out = torch.bmm(probs, v)
+        ignored = torch.baddbmm(full, q, k.transpose(-1, -2), beta=0.0, alpha=2.0)
+        return out, scores, ignored, torch.bmm(q, odd.permute(2, 1, 0)[:, ::2])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batched_products_are_native_steps_close_to_eagers(dtype):
+    """Products sum in another order than ATen's: close, not equal (bf16 outputs
+    within a bf16 rounding of eager's)."""
+    from kwker.aten_graph import trace_to_aten
+    from kwker.lower import lower_to_plan
+
+    g = torch.Generator().manual_seed(0)
+    heads, positions, d = 6, 37, 16
+    rand = lambda *shape: torch.randn(*shape, generator=g).to(dtype)
+    full = rand(heads, 1, positions)
+    full[0, 0, 3] = float("nan")
+    # three query rows: the bias rows, one per head, broadcast over them
+    inputs = [rand(heads, 1, positions), rand(heads, 3, d), rand(heads, positions, d), rand(heads, positions, d),
+              full, rand(7, 2 * d, heads)]
+    module = _BatchedProducts()
+    plan, report = lower_to_plan(trace_to_aten(module, inputs), inputs, [])
+    assert report.fallback_ops == [], report.fallback_ops
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2**-7, atol=2**-7)
+    for got, want in zip(plan(*inputs), module(*inputs)):
+        assert got.dtype == want.dtype and not got.isnan().any()
+        torch.testing.assert_close(got, want, **tol)
+    rows = _C.op_params()["BMM_MAX_M"] + 1  # a prefill chunk's rows: ATen's blocked GEMM
+    q = rand(heads, rows, d)
+    _, report = lower_to_plan(trace_to_aten(module, [inputs[0], q, *inputs[2:]]), [inputs[0], q, *inputs[2:]], [])
+    assert report.fallback_ops.count("aten.bmm.default") == 2, report.fallback_ops
+
+
+class _Comparisons(torch.nn.Module):
+    """The comparisons a mask is made of: positions against a position (BLOOM's
+    causal mask, int64 0-d), floats against floats and against Python numbers."""
+
+    def forward(self, positions, at, x, y):
+        return (positions <= at, positions > at, positions == 3, positions != -(2**40), x < y, x >= y, x == y,
+                x != y, x >= 1.00390625, x > -0.5, x.to(torch.int32) < 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_comparisons_are_native_steps_equal_to_eagers_nans_unequal(dtype):
+    """1 + 2^-8 is 1.0 in bf16: ATen compares a bf16 tensor with the scalar cast
+    to bf16, and so does the native step (x == 1 counts as >= it)."""
+    from kwker.aten_graph import trace_to_aten
+    from kwker.lower import lower_to_plan
+
+    x = torch.tensor([1.0, 1.00390625, float("nan"), -0.5, 2.0, -3.0, 0.0, -0.0]).to(dtype)
+    y = torch.tensor([1.0, 1.0, float("nan"), -0.5, 1.0, float("inf"), -0.0, 0.0]).to(dtype)
+    inputs = [torch.arange(-4, 8), torch.tensor(3), x, y]
+    module = _Comparisons()
+    plan, report = lower_to_plan(trace_to_aten(module, inputs), inputs, [])
+    assert report.fallback_ops == [], report.fallback_ops
+    for got, want in zip(plan(*inputs), module(*inputs)):
+        assert got.dtype == torch.bool and torch.equal(got, want)

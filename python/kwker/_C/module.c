@@ -44,11 +44,15 @@ static PyObject *op_params(PyObject *self, PyObject *unused) {
         {"WHERE_X_IF_TRUE", KW_WHERE_X_IF_TRUE},
         {"WHERE_X_IF_FALSE", KW_WHERE_X_IF_FALSE},
         {"DNNL_MIN_M_F32", KW_DNNL_MIN_M_F32},
+        {"BMM_MAX_M", KW_BMM_MAX_M},
         {"DNNL_MIN_M_BF16", amx ? KW_DNNL_MIN_M_BF16_AMX : KW_DNNL_MIN_M_BF16},
         {"DNNL_MIN_M_F32_BF16_COPY", amx ? KW_DNNL_MIN_M_F32_BF16_COPY_AMX : KW_DNNL_MIN_M_F32_BF16_COPY},
 #define KW__BINARY_ENTRY(id, name) {"BINARY_" #id, KW_BINARY_##id},
         KW_BINARY_OPS(KW__BINARY_ENTRY)
 #undef KW__BINARY_ENTRY
+#define KW__COMPARE_ENTRY(id, name) {"COMPARE_" #id, KW_COMPARE_##id},
+        KW_COMPARE_OPS(KW__COMPARE_ENTRY)
+#undef KW__COMPARE_ENTRY
 #define KW__UNARY_ENTRY(id, name) {"UNARY_" #id, KW_UNARY_##id},
         KW_UNARY_OPS(KW__UNARY_ENTRY)
 #undef KW__UNARY_ENTRY
