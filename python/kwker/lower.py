@@ -51,12 +51,14 @@ def storage_key(t: torch.Tensor) -> int:
 
 class _Lowering:
     def __init__(self, gm: torch.fx.GraphModule, example_inputs, copies: dict[str, CopiedWeight],
-                 input_names: list[str] | None):
+                 input_names: list[str] | None, written_args=()):
         self.gm, self.example_inputs, self.copies, self.input_names = gm, example_inputs, copies, input_names
+        self.written_args = list(written_args)
         self.b = _C.PlanBuilder()
         self.buffers: dict[int, tuple[int, int]] = {}  # storage -> (buffer id, element offset of its start)
         self.views: dict[tuple, int] = {}
         self.folded: dict[Node, torch.Tensor] = {}  # nodes evaluated at compile time
+        self.constant_storages: set[int] = set()
         self.done: set[Node] = set()  # nodes another node's lowering has carried out
         self.order = {n: i for i, n in enumerate(gm.graph.nodes)}
         self.report = LoweringReport()
@@ -87,6 +89,7 @@ class _Lowering:
         weight copy); only weight_view makes views of those."""
         tensor = tensor.detach()
         self.buffers[storage_key(val(node))] = (self.b.constant(tensor, node.name), tensor.storage_offset())
+        self.constant_storages.add(storage_key(val(node)))
         self.folded[node] = tensor
 
     def new_storage(self, t: torch.Tensor, name: str):
@@ -142,6 +145,15 @@ class _Lowering:
         dtype = dtype or t.dtype
         buf = self.b.arena(t.numel() * dtype.itemsize, f"{node.name}.{'contiguous' if dtype == t.dtype else dtype}")
         copy = self.b.view(buf, dtype, tuple(t.shape), None, 0)
+        self.op(node, "convert", [copy, self.view(t)])
+        return copy
+
+    def fresh_copy(self, node: Node, t: torch.Tensor) -> int:
+        """A returned value the plan holds as a constant (folded at compile time:
+        an arange, a literal), copied into a fresh output by every call, as
+        eager makes a new tensor each time: a caller may write the one it gets."""
+        buf = self.b.output_buffer(f"{node.name}.fresh", t.dtype, tuple(t.shape))
+        copy = self.b.view(buf, t.dtype, tuple(t.shape), None, 0)
         self.op(node, "convert", [copy, self.view(t)])
         return copy
 
@@ -213,11 +225,17 @@ class _Lowering:
                 self.lower_node(node)
             except TypeError as e:  # a dtype plans do not hold (a float64 constant folded from a Python float)
                 raise NotLowerable(f"{node.name}: {e}") from e
+        fresh = {}
         for out in self.outputs:
             if not isinstance(out, Node):
                 raise NotLowerable("the graph returns a non-tensor")
-            self.b.output(self.view(val(out)))
-        return self.b.finish(torch.get_num_threads(), n_args=len(self.example_inputs))
+            if storage_key(val(out)) not in self.constant_storages:
+                self.b.output(self.view(val(out)))
+                continue
+            if out not in fresh:
+                fresh[out] = self.fresh_copy(out, val(out))
+            self.b.output(fresh[out])
+        return self.b.finish(torch.get_num_threads(), n_args=len(self.example_inputs), written=self.written_args)
 
     def constant(self, node: Node) -> torch.Tensor | None:
         """node's value when the graph computes it from constants alone (a tensor
@@ -854,6 +872,8 @@ def _lower_kv_write(lw: _Lowering, node: Node):
     cache, dim, pos, src = node.args
     if dim % val(cache).dim() != 2:
         raise NotLowerable(f"{node.name}: index_copy_ along dim {dim}, not the cache's sequence dim 2")
+    if val(src).dtype != val(cache).dtype:
+        return False  # index_copy_ raises for a source of another dtype: PyTorch's, as a fallback step, raises too
     lw.op(node, "kv_write", [lw.view(val(cache)), lw.view(val(src)), lw.view(val(pos))])
 
 
@@ -935,11 +955,12 @@ INPLACE_LOWERINGS = {
 
 
 def lower_to_plan(gm: torch.fx.GraphModule, example_inputs, copies: list[CopiedWeight],
-                  input_names: list[str] | None = None):
+                  input_names: list[str] | None = None, written_args=()):
     """A Plan that, called with Dynamo's flat inputs, does what gm does, and the
     lowering's report. copies: kwker's weight copies among gm's attributes.
     input_names: what the plan's errors call each input (default: gm's
-    placeholder names)."""
-    lowering = _Lowering(gm, example_inputs, {c.attr: c for c in copies}, input_names)
+    placeholder names). written_args: the arguments gm writes in place, whose
+    version counters every call bumps (plan.inputs_written)."""
+    lowering = _Lowering(gm, example_inputs, {c.attr: c for c in copies}, input_names, written_args)
     plan = lowering.run()
     return plan, lowering.report

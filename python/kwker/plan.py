@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import torch
 
-from kwker.aten_graph import op_arguments, trace_to_aten
+from kwker.aten_graph import trace_to_aten, written_args
 from kwker.lower import NotLowerable, lower_to_plan, storage_key
 from kwker.rewrite import reserved_copy_bytes, rewrite_language_model
 from kwker.weights import CopiedWeights, WeightArena
@@ -41,12 +41,13 @@ def compile_plan(gm: torch.fx.GraphModule, example_inputs, glue: bool = True, cl
         if why_not:
             raise NotLowerable(why_not)
         placeholders = [n.name for n in aten_gm.graph.nodes if n.op == "placeholder"]
+        written = sorted({placeholders.index(p.name) for _, p, _ in inputs_written(aten_gm, example_inputs)})
         scalars = specialize_scalars(aten_gm, example_inputs)
         params = {name: t for name, t in zip(placeholders, example_inputs) if isinstance(t, torch.nn.Parameter)}
         counts, copies = rewrite_language_model(aten_gm, params, glue=glue, arena=arena)
     finally:
         arena.close()
-    plan, report = lower_to_plan(aten_gm, example_inputs, copies, dynamo_input_names(gm))
+    plan, report = lower_to_plan(aten_gm, example_inputs, copies, dynamo_input_names(gm), written)
     if copies or scalars:
         refresh = _Refresh(CopiedWeights(copies, {name: i for i, name in enumerate(placeholders)}), scalars, gm, glue,
                            classify, kept)
@@ -88,24 +89,9 @@ def inputs_written(aten_gm: torch.fx.GraphModule, example_inputs) -> list[tuple]
             inputs_of_storage.setdefault(storage_key(n.meta["val"]), []).append((n, x))
     found = []
     for n in aten_gm.graph.nodes:
-        for arg in _written_args(n) if n.op == "call_function" else ():
+        for arg in written_args(n) if n.op == "call_function" else ():
             found += [(n, *written) for written in inputs_of_storage.get(storage_key(arg.meta["val"]), ())]
     return found
-
-
-def _written_args(node) -> list[torch.fx.Node]:
-    schema = getattr(node.target, "_schema", None)
-    if schema is None:
-        return []
-    given = op_arguments(node)
-    names = [a.name for a in schema.arguments if a.alias_info and a.alias_info.is_write]
-    if node.target == aten.native_batch_norm.default and given.get("training"):
-        names += ["running_mean", "running_var"]  # written in training, though its schema does not say so
-    written = []
-    for name in names:  # a Tensor(a!)[] (the _foreach_ and fused optimizer ops) writes each of its tensors
-        value = given.get(name)
-        written += [v for v in (value if isinstance(value, (list, tuple)) else [value]) if isinstance(v, torch.fx.Node)]
-    return written
 
 
 # ATen ops a float input may feed as their second operand: the float takes its place.

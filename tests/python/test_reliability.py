@@ -180,3 +180,63 @@ def test_two_threads_compiling_at_once_both_get_their_tokens(side_by_side):
 
     assert side_by_side(run) == [] and got == want
     assert kinds() == ["decode-replay", "decode-replay"], kwker.report()
+
+
+# ---- 9. what a plan returns and writes, as eager's tensors --------------------------------------
+
+
+class _FoldedOutputs(torch.nn.Module):
+    def forward(self, x):
+        c = torch.arange(4.0)
+        return x + c, c, torch.zeros(1).expand(3)
+
+
+def test_a_value_folded_at_compile_time_is_returned_fresh_by_every_call():
+    """Eager makes a new tensor on each call, and a caller may write the one it
+    gets: the plan's constant must not be what it hands out."""
+    from kwker.aten_graph import trace_to_aten
+    from kwker.lower import lower_to_plan
+
+    module, x = _FoldedOutputs(), torch.zeros(4)
+    plan, _ = lower_to_plan(trace_to_aten(module, [x]), [x], [])
+    first = plan(x)
+    first[1].mul_(100)
+    second = plan(x)
+    for got, want in zip(second, module(x)):
+        assert torch.equal(got, want)
+    assert first[1].data_ptr() != second[1].data_ptr()
+
+
+class _WritesItsInput(torch.nn.Module):
+    def forward(self, buf):
+        buf.add_(1.0)
+        return buf * 2
+
+
+def test_an_input_a_native_step_writes_has_its_version_bumped_so_autograd_refuses_what_it_saved():
+    """Eager's add_ bumps buf's version counter, so backward refuses the value
+    autograd saved before the write; a native write must do the same, not let
+    backward read the new value."""
+    from kwker.plan import compile_plan
+
+    plan, detail = compile_plan(torch.fx.symbolic_trace(_WritesItsInput()), [torch.zeros(3)])
+    assert detail["fallback_ops"] == []
+    w, buf = torch.ones(3, requires_grad=True), torch.full((3,), 5.0)
+    y = (w * buf).sum()
+    plan(buf)
+    assert buf.tolist() == [6.0] * 3 and buf._version == 1
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward()
+
+
+def test_a_cache_write_of_another_dtype_raises_as_eager_does():
+    def ring(buf, pos, x):
+        buf.index_copy_(2, pos, x)
+        return buf.sum(2)
+
+    args = lambda: [torch.zeros(1, 2, 6, 4), torch.tensor([1]), torch.randn(1, 2, 1, 4).bfloat16()]
+    with pytest.raises(RuntimeError) as eager:
+        ring(*args())
+    with torch.no_grad(), pytest.raises(RuntimeError) as got:
+        torch.compile(ring, backend="kwker")(*args())
+    assert str(eager.value) in str(got.value)

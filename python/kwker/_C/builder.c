@@ -41,6 +41,7 @@ void kw__program_free(kw__program *p) {
     PyMem_Free(p->outputs);
     PyMem_Free(p->fallbacks);
     PyMem_Free(p->returns);
+    PyMem_Free(p->written);
     PyMem_Free(p);
 }
 
@@ -457,13 +458,41 @@ static PyObject *builder_output(PyObject *self_, PyObject *arg) {
     return PyLong_FromLong(prog->n_returns++);
 }
 
+/* finish's `written`: the argument indices whose tensors the plan writes in place. */
+static int set_written(kw__program *prog, PyObject *seq) {
+    PyObject *fast = PySequence_Fast(seq, "finish: written must be a sequence of argument indices");
+    if (!fast) return -1;
+    const Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    int *written = PyMem_Calloc((size_t)n + 1, sizeof *written);
+    if (!written) {
+        Py_DECREF(fast);
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const long arg = PyLong_AsLong(PySequence_Fast_GET_ITEM(fast, i));
+        if ((arg == -1 && PyErr_Occurred()) || arg < 0 || arg >= prog->n_args) {
+            if (!PyErr_Occurred())
+                PyErr_Format(PyExc_ValueError, "finish: written argument %ld, but the plan takes %d", arg, prog->n_args);
+            PyMem_Free(written);
+            Py_DECREF(fast);
+            return -1;
+        }
+        written[i] = (int)arg;
+    }
+    Py_DECREF(fast);
+    PyMem_Free(prog->written);
+    prog->written = written, prog->n_written = (int)n;
+    return 0;
+}
+
 static PyObject *builder_finish(PyObject *self_, PyObject *args, PyObject *kw) {
-    static char *names[] = {"n_threads", "n_args", "barrier_every_step", NULL};
-    PyObject *threads_obj = Py_None, *n_args_obj = Py_None;
+    static char *names[] = {"n_threads", "n_args", "barrier_every_step", "written", NULL};
+    PyObject *threads_obj = Py_None, *n_args_obj = Py_None, *written_obj = Py_None;
     int barrier_every_step = 0;
     BuilderObject *self = open_builder(self_);
-    if (!self || !PyArg_ParseTupleAndKeywords(args, kw, "|O$Op:finish", names, &threads_obj, &n_args_obj,
-                                              &barrier_every_step))
+    if (!self || !PyArg_ParseTupleAndKeywords(args, kw, "|O$OpO:finish", names, &threads_obj, &n_args_obj,
+                                              &barrier_every_step, &written_obj))
         return NULL;
     PyObject *threads = threads_obj == Py_None ? PyObject_CallNoArgs(kw__t.get_num_threads) : Py_NewRef(threads_obj);
     if (!threads) return NULL;
@@ -479,6 +508,7 @@ static PyObject *builder_finish(PyObject *self_, PyObject *args, PyObject *kw) {
                                 prog->n_args - 1);
         prog->n_args = (int)n_args;
     }
+    if (written_obj != Py_None && set_written(prog, written_obj)) return NULL;
     const kw_finish_opts o = {.n_threads = (int)(n_threads > 0 && n_threads <= 1024 ? n_threads : -1),
                               .barrier_every_step = barrier_every_step,
                               .isa = -1};
@@ -562,10 +592,11 @@ static PyMethodDef builder_methods[] = {
      "output(view) -> index in the returned tuple\n\n"
      "Returns a view of an output buffer (a fresh tensor each call), an input or a constant."},
     {"finish", (PyCFunction)(void (*)(void))builder_finish, METH_VARARGS | METH_KEYWORDS,
-     "finish(n_threads=None, *, n_args=None, barrier_every_step=False) -> Plan\n\n"
+     "finish(n_threads=None, *, n_args=None, barrier_every_step=False, written=None) -> Plan\n\n"
      "Validates and plans. n_threads defaults to torch.get_num_threads(); n_args (default: one past\n"
      "the last input's position) is how many positional arguments a call takes - arguments no input\n"
-     "reads are ignored. Raises PlanError naming the step and the problem."},
+     "reads are ignored; written: the arguments the plan writes in place, whose version counters\n"
+     "each call bumps. Raises PlanError naming the step and the problem."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -16,6 +16,7 @@ typedef struct kw__torch {
     PyTypeObject *tensor_type;
     PyObject *dtype[KW_DTYPE_COUNT]; /* torch.float32, ... by kw_dtype */
     PyObject *empty_strided, *frombuffer, *get_num_threads, *cpu;
+    PyObject *increment_version; /* torch._C._increment_version: autograd's count of in-place writes */
     PyObject *kw_dtype_device; /* ("dtype", "device"): keyword names for empty_strided */
     PyObject *s_dtype, *s_shape, *s_stride, *s_data_ptr, *s_is_cpu, *s_as_strided, *s_storage_offset, *s_version;
 } kw__torch;
@@ -100,7 +101,11 @@ typedef struct kw__program {
     kw__py_output *outputs;
     kw__py_fallback *fallbacks;
     int *returns; /* view ids */
-    int n_inputs, n_outputs, n_fallbacks, n_returns, n_args;
+    /* The arguments the plan writes in place: their version counters are bumped
+     * after every call, as PyTorch's in-place ops bump them, so that autograd
+     * still refuses a tensor it saved and a native step has since written. */
+    int *written;
+    int n_inputs, n_outputs, n_fallbacks, n_returns, n_args, n_written;
     int cap_inputs, cap_outputs, cap_fallbacks, cap_returns;
     PyObject *constants; /* {buffer id: tensor}: kept alive, and the owners of views of them */
 } kw__program;

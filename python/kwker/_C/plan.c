@@ -443,6 +443,22 @@ static void prefetch_checks(const kw__state *s, PyObject *const *args) {
 }
 
 /* Steps 2-4 of a call, with the plan's lock held. */
+/* After a replay, failed or not (its steps may have written): what PyTorch's
+ * in-place ops do to the tensors they write. 0, or -1 with an exception (kept
+ * when one is set already). */
+static int bump_versions(const kw__program *prog, PyObject *const *args) {
+    if (!prog->n_written) return 0;
+    PyObject *written = PyTuple_New(prog->n_written);
+    for (int i = 0; written && i < prog->n_written; i++) PyTuple_SET_ITEM(written, i, Py_NewRef(args[prog->written[i]]));
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyObject *r = written ? PyObject_CallOneArg(kw__t.increment_version, written) : NULL;
+    Py_XDECREF(written);
+    Py_XDECREF(r);
+    if (type) PyErr_Restore(type, value, tb); /* the replay's error comes first */
+    return r ? 0 : -1;
+}
+
 static PyObject *call_locked(PlanObject *p, PyObject *const *args, Py_ssize_t nargs) {
     const int64_t t0 = now_ns();
     prefetch_checks(p->s, args);
@@ -468,6 +484,7 @@ static PyObject *call_locked(PlanObject *p, PyObject *const *args, Py_ssize_t na
     const int64_t t2 = now_ns();
     replaying = NULL;
     PyObject *res = rc ? replay_failed(p, rc) : make_returns(p);
+    if (bump_versions(prog, args) && res) Py_CLEAR(res);
     p->args = NULL;
     drop_fresh(s);
     const int64_t t_end = now_ns();

@@ -60,6 +60,11 @@ int kw__torch_init(void) {
     if (!rc) rc = get_attr(&t.empty_strided, torch, "empty_strided");
     if (!rc) rc = get_attr(&t.frombuffer, torch, "frombuffer");
     if (!rc) rc = get_attr(&t.get_num_threads, torch, "get_num_threads");
+    if (!rc) {
+        PyObject *c = NULL;
+        rc = get_attr(&c, torch, "_C") || get_attr(&t.increment_version, c, "_increment_version");
+        Py_XDECREF(c);
+    }
     if (!rc && !(t.cpu = PyObject_CallMethod(torch, "device", "s", "cpu"))) rc = -1;
     if (!rc && !(t.kw_dtype_device = Py_BuildValue("(ss)", "dtype", "device"))) rc = -1;
     if (!rc) rc = intern(&t.s_dtype, "dtype") || intern(&t.s_shape, "shape") || intern(&t.s_stride, "stride") ||
