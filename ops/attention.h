@@ -69,12 +69,13 @@ static inline kw__attn_scratch kw__attn_carve(const kw__attn *a, void *work) {
 }
 
 /* An additive mask value at or below bfloat16's finfo.min (so float32's min and
- * -inf too) gives exp() == 0 exactly: the position is excluded, never read. */
+ * -inf too) gives exp() == 0 exactly: the position is excluded, never read. A
+ * NaN is kept: its score is NaN, and so is the row's output, as in SDPA. */
 #define KW__ATTN_MASKED (-3.38953139e38f)
 
 static inline int kw__attn_keep(const kw__attn *a, const char *mrow, int64_t s) {
     if (a->mt == KW_BOOL) return ((const uint8_t *)mrow)[s] != 0;
-    return kw__ldf(mrow, s, a->mt) > KW__ATTN_MASKED;
+    return !(kw__ldf(mrow, s, a->mt) <= KW__ATTN_MASKED);
 }
 
 static inline float kw__attn_bias(const kw__attn *a, const char *mrow, int64_t s) {

@@ -24,7 +24,7 @@ static uint32_t keep_bits(const kw__attn *a, const char *mrow, int64_t s0) {
     int64_t s = 0;
     if (a->mt != KW_BOOL) {
         const kw_v lim = kw_v_set1(KW__ATTN_MASKED);
-        for (; s + KW_VW <= cnt; s += KW_VW) bits |= (uint32_t)kw_v_gt_bits(kw_v_ld(mrow, s0 + s, a->mt), lim) << s;
+        for (; s + KW_VW <= cnt; s += KW_VW) bits |= (uint32_t)kw_v_nle_bits(kw_v_ld(mrow, s0 + s, a->mt), lim) << s;
     }
     for (; s < cnt; s++) bits |= (uint32_t)kw__attn_keep(a, mrow, s0 + s) << s;
     return bits;
@@ -88,16 +88,19 @@ static void scores_head(const kw__attn *a, const char *k, const int32_t *pos, in
 }
 
 /* In place: s[j] = exp(s[j] - max), rounded to dtype vt; returns Σ of the
- * unrounded values, 0 (and zeros) when every s[j] is -inf. */
+ * unrounded values, 0 (and zeros) when every s[j] is -inf, NaN (and NaNs) when
+ * the others are (a NaN mask value: SDPA's row is NaN). */
 static float softmax_unnormalised(float *s, int64_t n, kw_dtype vt) {
     kw_v mv = kw_v_set1(-INFINITY);
     int64_t j = 0;
     for (; j + KW_VW <= n; j += KW_VW) mv = kw_v_max(kw_v_loadu(s + j), mv);
     if (j < n) mv = kw_v_max(kw_v_fill_tail(kw_v_loadn(s + j, n - j), n - j, -INFINITY), mv);
     const float mx = kw_v_reduce_max(mv);
-    if (mx == -INFINITY) {
-        memset(s, 0, (size_t)n * sizeof *s);
-        return 0.0f;
+    if (mx == -INFINITY) { /* the max skips NaNs */
+        float fill = 0.0f;
+        for (j = 0; j < n && fill == 0.0f; j++) fill = s[j] != s[j] ? NAN : 0.0f;
+        for (j = 0; j < n; j++) s[j] = fill;
+        return fill;
     }
     const kw_v m = kw_v_set1(mx);
     kw_v sum = kw_v_zero();

@@ -44,7 +44,8 @@ static inline void kw_v_storen(float *p, kw_v v, int64_t n) { _mm512_mask_storeu
 /* Lanes >= n replaced by `fill` (or by 0). */
 static inline kw_v kw_v_fill_tail(kw_v v, int64_t n, float fill) { return _mm512_mask_mov_ps(_mm512_set1_ps(fill), kw__m16(n), v); }
 static inline kw_v kw_v_keepn(kw_v v, int64_t n) { return _mm512_maskz_mov_ps(kw__m16(n), v); }
-static inline unsigned kw_v_gt_bits(kw_v a, kw_v b) { return (unsigned)_mm512_cmp_ps_mask(a, b, _CMP_GT_OQ); }
+/* Lanes where !(a <= b): a > b, or either is NaN. */
+static inline unsigned kw_v_nle_bits(kw_v a, kw_v b) { return (unsigned)_mm512_cmp_ps_mask(a, b, _CMP_NLE_UQ); }
 
 static inline kw_v kw__widen_bf16(__m256i h) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
@@ -167,7 +168,7 @@ static inline kw_v kw_v_fill_tail(kw_v v, int64_t n, float fill) {
     return _mm256_blendv_ps(_mm256_set1_ps(fill), v, _mm256_castsi256_ps(kw__m8(n)));
 }
 static inline kw_v kw_v_keepn(kw_v v, int64_t n) { return _mm256_and_ps(v, _mm256_castsi256_ps(kw__m8(n))); }
-static inline unsigned kw_v_gt_bits(kw_v a, kw_v b) { return (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_GT_OQ)); }
+static inline unsigned kw_v_nle_bits(kw_v a, kw_v b) { return (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_NLE_UQ)); }
 
 static inline kw_v kw__widen_bf16(__m128i h) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));

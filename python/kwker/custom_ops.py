@@ -115,8 +115,9 @@ REFERENCE = {
 
 
 # ---- the CPU implementations: the native op where its rules accept the call ----------
-# Each allocates its outputs contiguous (the fake implementation promises that
-# layout, which Inductor asserts on its extern kernels' outputs), runs the native
+# Each allocates its outputs contiguous, attention's as SDPA's (the fake
+# implementation promises that layout, which Inductor asserts on its extern
+# kernels' outputs), runs the native
 # op through _C.run_op, and runs the reference where the native op rejects the
 # call (a float16 input, rows that are not contiguous). lower.py gives a plan's
 # steps the same native ops and slots.
@@ -234,17 +235,19 @@ def _cpu_grouped_linear(x, weight, offs):
     return _contiguous(_grouped_linear(x, weight, offs))
 
 
-def _mask_has_no_nan(mask) -> bool:
-    """SDPA gives NaN for a row whose mask holds one; the native attention skips
-    the position (ops/attention.h, KW__ATTN_MASKED)."""
-    return mask is None or mask.dtype == torch.bool or not bool(mask.isnan().any())
+def attention_output(q, v_cache):
+    """attention's output, laid out as SDPA's CPU kernel lays out its own: its
+    dims in the order of q's strides (HF's q is [B, L, H, D] in memory). The
+    graph the op replaces views it so (heads merged by a transpose and a view)."""
+    order = sorted(range(q.dim()), key=lambda d: -q.stride(d))
+    return torch.empty_permuted((*q.shape[:-1], v_cache.shape[-1]), order, dtype=q.dtype, device=q.device)
 
 
 def _cpu_attention(q, k_cache, v_cache, mask, scale):
-    y = q.new_empty((*q.shape[:-1], v_cache.shape[-1]))
-    if _mask_has_no_nan(mask) and _native("attention", [y, q, k_cache, v_cache, mask], (), [scale]):
+    y = attention_output(q, v_cache)
+    if _native("attention", [y, q, k_cache, v_cache, mask], (), [scale]):
         return y
-    return _contiguous(_attention(q, k_cache, v_cache, mask, scale))
+    return y.copy_(_attention(q, k_cache, v_cache, mask, scale))
 
 
 _CPU = {
@@ -265,11 +268,14 @@ for _name, _fn in _CPU.items():
 # The fake (meta) implementations are the reference run on fake tensors, its
 # outputs made contiguous as the CPU implementations' are: shapes and dtypes
 # follow from the one definition, so the two cannot drift apart.
-# grouped_linear's reference reads its offsets, which a fake tensor has not.
+# grouped_linear's reference reads its offsets, which a fake tensor has not;
+# attention's output has SDPA's layout.
 for _name, _fn in REFERENCE.items():
-    if _name != "grouped_linear":
+    if _name not in ("grouped_linear", "attention"):
         torch.library.register_fake(f"kwker::{_name}", lambda *args, _fn=_fn: _contiguous(_fn(*args)), lib=_lib)
 torch.library.register_fake("kwker::grouped_linear", lambda x, weight, offs: x.new_empty(x.shape[0], weight.shape[1]),
+                            lib=_lib)
+torch.library.register_fake("kwker::attention", lambda q, k_cache, v_cache, mask, scale: attention_output(q, v_cache),
                             lib=_lib)
 
 ops = torch.ops.kwker

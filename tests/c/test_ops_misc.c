@@ -615,3 +615,29 @@ Test(bmm, check_names_the_bad_layout_or_dtype) {
     tt_expect_reject(KW_OP_BMM, &k.c, KW_ESHAPE, "y must be [2, 3, 5]");
     tt_free(&k);
 }
+
+/* SDPA adds the mask and takes the softmax over every position: a NaN anywhere in
+ * a row's additive mask makes that row's output NaN, and only that row's. */
+Test(attention, a_nan_in_the_mask_makes_its_row_nan) {
+    tt_rng r = {49};
+    const int64_t B = 1, Hkv = 2, G = 2, S = 40, D = 16;
+    for (int trial = 0; trial < 4; trial++) {
+        const int64_t L = trial % 2 ? 3 : 1; /* a block of rows, or one head at a time */
+        const int nan_only = trial >= 2;     /* the row keeps nothing else */
+        tt_case k = {0};
+        attention_case(&k, KW_F32, trial >= 2 ? KW_BF16 : KW_F32, B, L, Hkv, G, S, D, D, MASK_F32, 1, 0, 1, &r);
+        kw_tensor *m = &k.c.t[4];
+        for (int64_t s = 0; nan_only && s < S; s++) tt_set(m, (int64_t[]){0, 0, L - 1, s}, -INFINITY);
+        tt_set(m, (int64_t[]){0, 0, L - 1, S / 2}, NAN);
+        tt_check_variants(KW_OP_ATTENTION, &k, (tt_tol){2e-6, 1e-5}, "attention with a NaN in the mask");
+        const kw_tensor *o = &k.c.t[0];
+        for (int64_t h = 0; h < Hkv * G; h++)
+            for (int64_t i = 0; i < L; i++)
+                for (int64_t d = 0; d < D; d++) {
+                    const double v = tt_get(o, (int64_t[]){0, h, i, d});
+                    cr_assert(i == L - 1 ? isnan(v) : isfinite(v), "trial %d out[0, %lld, %lld, %lld] = %g", trial,
+                              (long long)h, (long long)i, (long long)d, v);
+                }
+        tt_free(&k);
+    }
+}

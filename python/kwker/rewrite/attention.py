@@ -10,7 +10,7 @@ import operator
 
 import torch
 
-from kwker.custom_ops import ops
+from kwker.custom_ops import attention_output, ops
 from kwker.rewrite.match import aten, fuse_each, is_call, val
 
 SDPA = (aten._scaled_dot_product_flash_attention_for_cpu.default,)
@@ -31,9 +31,10 @@ def _fuse_one(graph, sdpa) -> int:
     if val(k_cache).shape != val(v_cache).shape or hq % hkv or val(k_cache).shape[-1] != val(q).shape[-1]:
         return 0
     outs = [u for u in sdpa.users if u.target is operator.getitem and u.args[1] == 0]
-    if len(outs) != 1:
-        return 0
-    scale = sdpa.kwargs.get("scale") or 1.0 / math.sqrt(val(q).shape[-1])
+    if len(outs) != 1 or attention_output(val(q), val(v_cache)).stride() != val(outs[0]).stride():
+        return 0  # the graph after it reads SDPA's output in a layout the op does not give
+    scale = sdpa.kwargs.get("scale")
+    scale = 1.0 / math.sqrt(val(q).shape[-1]) if scale is None else scale
     mask = _bool_mask(sdpa.kwargs.get("attn_mask"))
     out = outs[0]
     with graph.inserting_before(out):
