@@ -31,7 +31,7 @@ def _fuse_one(graph, sdpa) -> int:
     if val(k_cache).shape != val(v_cache).shape or hq % hkv or val(k_cache).shape[-1] != val(q).shape[-1]:
         return 0
     outs = [u for u in sdpa.users if u.target is operator.getitem and u.args[1] == 0]
-    if len(outs) != 1 or attention_output(val(q), val(v_cache)).stride() != val(outs[0]).stride():
+    if len(outs) != 1 or not _same_layout(attention_output(val(q), val(v_cache)), val(outs[0])):
         return 0  # the graph after it reads SDPA's output in a layout the op does not give
     scale = sdpa.kwargs.get("scale")
     scale = 1.0 / math.sqrt(val(q).shape[-1]) if scale is None else scale
@@ -50,6 +50,11 @@ def _fuse_one(graph, sdpa) -> int:
     if not sdpa.users:
         graph.erase_node(sdpa)
     return 1
+
+
+def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """The same elements at the same offsets: a dim of size 1 has no stride that matters."""
+    return a.shape == b.shape and all(n == 1 or x == y for n, x, y in zip(a.shape, a.stride(), b.stride()))
 
 
 def _unrepeat(node):
