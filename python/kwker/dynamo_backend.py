@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from kwker import _C, guards, summary
+from kwker import guards, summary
 from kwker.aten_graph import op_arguments, trace_to_aten
 from kwker.decode import compile_decode_step
 from kwker.freeze import FrozenGraph, cannot_win, worth_freezing
@@ -49,7 +49,10 @@ def compile_routed(path: str, gm, example_inputs, opts: KwkerOptions):
             plan, detail = compile_decode_step(gm, example_inputs, glue=opts.glue)
             warn_once_if_openmp_spins()
             return "decode-replay", plan, dict(detail, plan=plan)
-        except (NotLowerable, _C.PlanError) as e:  # a PlanError here is a lowering bug: logged, never a failed compile
+        except Exception as e:  # anything but NotLowerable is a bug of kwker's: logged, never a failed compile
+            if not isinstance(e, NotLowerable):
+                log.warning("kwker: a decode step it failed to compile goes elsewhere (%s: %s)", type(e).__name__, e,
+                            exc_info=True)
             detail["why"] = f"decode step not replayable: {e}"
             # tuned as other inference graphs, unless Dynamo made sizes inputs (timings need static shapes)
             path = "inductor" if size_inputs(example_inputs) else "cpu-inference"

@@ -109,6 +109,8 @@ class _Lowering:
         self.buffers[key] = (buf, 0)
 
     def view(self, t: torch.Tensor) -> int:
+        if not isinstance(t, torch.Tensor):  # a SymInt an op reads (JetMoE's routing sizes its experts' rows so)
+            raise NotLowerable(f"a step reads a {type(t).__name__}, not a tensor")
         key = storage_key(t)
         if key not in self.buffers:
             raise NotLowerable("a tensor whose storage no step produced")

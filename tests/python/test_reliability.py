@@ -240,3 +240,23 @@ def test_a_cache_write_of_another_dtype_raises_as_eager_does():
     with torch.no_grad(), pytest.raises(RuntimeError) as got:
         torch.compile(ring, backend="kwker")(*args())
     assert str(eager.value) in str(got.value)
+
+
+# ---- 10. a bug of kwker's while compiling ---------------------------------------------------------
+
+
+def test_a_kwker_error_compiling_a_decode_step_is_logged_and_the_step_compiled_elsewhere(monkeypatch, caplog):
+    """Never a failed compile: JetMoE's step once raised AttributeError in the
+    lowering (a SymInt read by a step) and torch.compile failed with it."""
+    import logging
+
+    import kwker.dynamo_backend as backend
+
+    def broken(*args, **kwargs):
+        raise AttributeError("a lowering bug")
+
+    monkeypatch.setattr(backend, "compile_decode_step", broken)
+    with caplog.at_level(logging.WARNING, logger="kwker.dynamo_backend"):
+        assert_same_tokens(small_model("llama"), kwker.compile_config())
+    assert "AttributeError: a lowering bug" in caplog.text
+    assert "decode-replay" not in kinds() and kinds(), kwker.report()
