@@ -25,6 +25,8 @@ SMALL_CONFIGS = {
     # float x int64 slopes and baddbmm attention. Neither may fail a compile.
     "ministral3": ("Ministral3Config", {"head_dim": 16}),
     "bloom": ("BloomConfig", {}),
+    # Conv1D: [K, N] weights multiplied as stored (addmm), copied as their transpose.
+    "gpt2": ("GPT2Config", {}),
     # Attention and MLP in parallel on one norm's output: five linears over one input.
     "cohere": ("CohereConfig", {}),
     # Rotary on the first 8 dims of each head, its pairs interleaved (a stack of halves).

@@ -11,7 +11,10 @@ and otherwise unless a copy reads fewer bytes or fewer calls:
 - linears that read the same input (q/k/v, gate/up) get one copy of their
   weights stacked by rows, and of their biases, and run as one call;
 - a copy whose inner size K suits it is stored K-blocked, [K/B, N, B]
-  (kw_ops.h says why).
+  (kw_ops.h says why);
+- a [K, N] weight (GPT-2's Conv1D, multiplied as stored: x @ W) is copied as
+  its transpose, the [N, K] rows kwker's kernels read (oneDNN's matmul reads it
+  as stored).
 
 A copy must never be read stale. Every source of a copy is watched
 (kwker._C.Watch: its pages are made read-only and the first write re-opens them
@@ -39,10 +42,12 @@ from kwker import _C
 @dataclass(frozen=True)
 class Storage:
     """How one linear's weight, or a group's stacked, is stored: a copy of this
-    dtype, K-blocked by `block` (0: as [N, K])."""
+    dtype, K-blocked by `block` (0: as [N, K]); `kn`: the sources are [K, N],
+    and the copy holds their transpose."""
 
     dtype: torch.dtype
     block: int
+    kn: bool = False
 
 
 def is_bf16_valued(w: torch.Tensor) -> bool:
@@ -73,16 +78,18 @@ def by_matmul(dtype: torch.dtype, rows: int) -> bool:
     return rows >= DNNL_MIN_ROWS.get(dtype, rows + 1)
 
 
-def decide(weights: list[torch.Tensor], rows: int) -> Storage | None:
+def decide(weights: list[torch.Tensor], rows: int, kn: bool = False) -> Storage | None:
     """The storage for the weights of linears that share an input (one weight
-    when none does) of `rows` rows per call, or None: each read as stored."""
+    when none does) of `rows` rows per call, or None: each read as stored.
+    kn: the weights are [K, N], multiplied as stored."""
     dtype = copy_dtype(weights)
     as_stored = dtype == weights[0].dtype
     if by_matmul(dtype, rows) if as_stored else rows >= DNNL_MIN_ROWS_OVER_BF16_COPY:
         return None
-    if len(weights) == 1 and as_stored:
+    if len(weights) == 1 and as_stored and not kn:
         return None
-    return Storage(dtype, _C.linear_block(weights[0].shape[1]) if weights[0].dim() == 2 else 0)
+    k = weights[0].shape[0 if kn else 1]
+    return Storage(dtype, _C.linear_block(k) if weights[0].dim() == 2 else 0, kn)
 
 
 def decide_experts(weights: torch.Tensor) -> Storage | None:
@@ -165,6 +172,7 @@ class WeightArena:
 
 
 def copy_shape(sources: list[torch.Tensor], storage: Storage) -> tuple[int, ...]:
+    sources = _as_rows(sources, storage)
     rows = sum(s.shape[0] for s in sources)
     if storage.block:
         k = sources[0].shape[1]
@@ -172,10 +180,16 @@ def copy_shape(sources: list[torch.Tensor], storage: Storage) -> tuple[int, ...]
     return (rows, *sources[0].shape[1:])
 
 
+def _as_rows(sources: list[torch.Tensor], storage: Storage) -> list[torch.Tensor]:
+    """The sources as [N, K] rows: transposed views of [K, N] ones."""
+    return [s.t() for s in sources] if storage.kn else sources
+
+
 def fill_copy(copy: torch.Tensor, sources: list[torch.Tensor], storage: Storage, scratch: torch.Tensor | None = None):
     """Writes the sources, stacked by rows and converted, into copy (in its
     layout). scratch: copy.numel() elements of its dtype to go through when
     K-blocked."""
+    sources = _as_rows(sources, storage)
     if not storage.block:
         row = 0
         for s in sources:

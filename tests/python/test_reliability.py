@@ -92,6 +92,20 @@ def test_weights_of_a_float32_model_edited_through_data_are_read_fresh():
     assert_same_tokens(model, config)
 
 
+@pytest.mark.parametrize("bf16_valued", [True, False])
+def test_conv1d_weights_copied_as_their_transpose_are_read_fresh_after_an_edit(bf16_valued):
+    """GPT-2's [K, N] weights: a bf16 copy, or a float32 one, of their transpose."""
+    model = small_model("gpt2", bf16_valued=bf16_valued)
+    config = kwker.compile_config()
+    assert_same_tokens(model, config)
+    before = greedy(model)
+    c_fc = model.transformer.h[0].mlp.c_fc.weight
+    c_fc.data[:, :40].mul_(-8.0)  # bf16-exact; columns, which are rows of the copy
+    assert greedy(model) != before
+    assert_same_tokens(model, config)
+    assert kinds() == ["decode-replay"], kwker.report()
+
+
 def test_a_weight_given_another_layout_under_skipped_guards_is_read_as_it_is_now():
     model = small_model("llama")
     config = kwker.compile_config()

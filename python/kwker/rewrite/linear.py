@@ -8,7 +8,7 @@ copies into the graph as attributes.
 """
 
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -44,21 +44,16 @@ def rewrite_linears(gm: torch.fx.GraphModule, params: dict[str, torch.Tensor],
     copies go. Returns how many linears were rewritten and the copies made
     (also graph attributes)."""
     linears = [m for m in (_match_linear(n, params) for n in gm.graph.nodes) if m]
-    # A [K, N] weight (GPT-2's Conv1D) is read as stored by oneDNN's matmul, or left
-    # to PyTorch: kwker's own kernels and its copies take [N, K] rows.
-    kn = [m for m in linears if m.kn and weights.by_matmul(val(m.weight).dtype, weights.rows_per_call(val(m.x)))]
-    for m in kn:
-        _rewrite_single_as_stored(gm.graph, m)
-    linears = [m for m in linears if not m.kn]
     copies: list[weights.CopiedWeight] = []
     for group in _group_by_input(linears):
-        storage = weights.decide([params[m.weight.name] for m in group], weights.rows_per_call(val(group[0].x)))
+        storage = weights.decide([params[m.weight.name] for m in group], weights.rows_per_call(val(group[0].x)),
+                                 kn=group[0].kn)
         if storage is None:
             for m in group:
                 _rewrite_single_as_stored(gm.graph, m)
         else:
             _rewrite_group(gm, group, params, storage, arena, copies)
-    return len(linears) + len(kn), copies
+    return len(linears), copies
 
 
 def _rewrite_single_as_stored(graph, m: "_Linear") -> None:
@@ -111,7 +106,7 @@ def _input_key(x: torch.fx.Node):
 def _group_by_input(linears):
     groups: dict[tuple, list[_Linear]] = {}
     for m in linears:
-        key = (_input_key(m.x), val(m.weight).dtype, m.bias is None)
+        key = (_input_key(m.x), val(m.weight).dtype, m.bias is None, m.kn)
         groups.setdefault(key, []).append(m)
     return [call for group in groups.values() for call in _calls(group)]
 
@@ -159,7 +154,7 @@ def copy_node(gm, sources: list[torch.fx.Node], params, storage: weights.Storage
     copies.append(copy)
     gm.register_buffer(attr, copy.copy)
     node = gm.graph.get_attr(attr)
-    rows = sum(val(s).shape[0] for s in sources)
     with val(sources[0]).fake_mode:  # made fresh: converting the real tensor took 1-4 ms each
-        node.meta["val"] = torch.empty((rows, *val(sources[0]).shape[1:]), dtype=storage.dtype)
+        as_read = weights.copy_shape([val(s) for s in sources], replace(storage, block=0))
+        node.meta["val"] = torch.empty(as_read, dtype=storage.dtype)
     return node
