@@ -15,8 +15,6 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from kwker.lower import NotLowerable
 
-aten = torch.ops.aten
-
 
 def trace_to_aten(gm: torch.fx.GraphModule, example_inputs) -> torch.fx.GraphModule:
     """Inside a backend call Dynamo's fake mode is found; outside it (a plan
@@ -46,19 +44,3 @@ def op_arguments(node: torch.fx.Node) -> dict:
         return {}
     defaults = {a.name: a.default_value for a in schema.arguments if a.has_default_value()}
     return defaults | dict(zip((a.name for a in schema.arguments), node.args)) | node.kwargs
-
-
-def written_args(node: torch.fx.Node) -> list[torch.fx.Node]:
-    """The arguments an op node writes: those its schema marks written."""
-    schema = getattr(node.target, "_schema", None)
-    if schema is None:
-        return []
-    given = op_arguments(node)
-    names = [a.name for a in schema.arguments if a.alias_info and a.alias_info.is_write]
-    if node.target == aten.native_batch_norm.default and given.get("training"):
-        names += ["running_mean", "running_var"]  # written in training, though its schema does not say so
-    written = []
-    for name in names:  # a Tensor(a!)[] (the _foreach_ and fused optimizer ops) writes each of its tensors
-        value = given.get(name)
-        written += [v for v in (value if isinstance(value, (list, tuple)) else [value]) if isinstance(v, torch.fx.Node)]
-    return written

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import torch
 
-from kwker.aten_graph import trace_to_aten, written_args
+from kwker.aten_graph import op_arguments, trace_to_aten
 from kwker.lower import NotLowerable, lower_to_plan, storage_key
 from kwker.rewrite import reserved_copy_bytes, rewrite_language_model
 from kwker.weights import CopiedWeights, WeightArena
@@ -89,9 +89,24 @@ def inputs_written(aten_gm: torch.fx.GraphModule, example_inputs) -> list[tuple]
             inputs_of_storage.setdefault(storage_key(n.meta["val"]), []).append((n, x))
     found = []
     for n in aten_gm.graph.nodes:
-        for arg in written_args(n) if n.op == "call_function" else ():
+        for arg in _written_args(n) if n.op == "call_function" else ():
             found += [(n, *written) for written in inputs_of_storage.get(storage_key(arg.meta["val"]), ())]
     return found
+
+
+def _written_args(node) -> list[torch.fx.Node]:
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return []
+    given = op_arguments(node)
+    names = [a.name for a in schema.arguments if a.alias_info and a.alias_info.is_write]
+    if node.target == aten.native_batch_norm.default and given.get("training"):
+        names += ["running_mean", "running_var"]  # written in training, though its schema does not say so
+    written = []
+    for name in names:  # a Tensor(a!)[] (the _foreach_ and fused optimizer ops) writes each of its tensors
+        value = given.get(name)
+        written += [v for v in (value if isinstance(value, (list, tuple)) else [value]) if isinstance(v, torch.fx.Node)]
+    return written
 
 
 # ATen ops a float input may feed as their second operand: the float takes its place.
