@@ -668,7 +668,8 @@ def _binary(name):
 
     def lower(lw: _Lowering, node: Node):
         a, b = node.args[:2]
-        if node.kwargs.get("alpha", 1) != 1 or not isinstance(a, Node):
+        alpha = node.args[2] if len(node.args) > 2 else node.kwargs.get("alpha", 1)  # positional in add.Scalar
+        if alpha != 1 or not isinstance(a, Node):
             return False
         inplace = _is_inplace_op(node)
         if inplace and _writes_over_what_it_reads(val(a), *([val(b)] if isinstance(b, Node) else [])):
@@ -905,6 +906,10 @@ LOWERINGS = {
     aten.mul.Tensor: _binary("BINARY_MUL"),
     aten.div.Tensor: _binary("BINARY_DIV"),
     aten.floor_divide.default: _binary("BINARY_FLOOR_DIV"),
+    aten.add.Scalar: _binary("BINARY_ADD"),  # SDPA's math path scales q and k so
+    aten.sub.Scalar: _binary("BINARY_SUB"),
+    aten.mul.Scalar: _binary("BINARY_MUL"),
+    aten.div.Scalar: _binary("BINARY_DIV"),
     aten.eq.Tensor: _compare("COMPARE_EQ"),
     aten.eq.Scalar: _compare("COMPARE_EQ"),
     aten.ne.Tensor: _compare("COMPARE_NE"),

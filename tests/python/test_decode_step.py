@@ -1060,3 +1060,29 @@ def test_comparisons_are_native_steps_equal_to_eagers_nans_unequal(dtype):
     assert report.fallback_ops == [], report.fallback_ops
     for got, want in zip(plan(*inputs), module(*inputs)):
         assert got.dtype == torch.bool and torch.equal(got, want)
+
+
+class _ScalarOverloads(torch.nn.Module):
+    """The .Scalar overloads a trace keeps where the number is a Scalar argument
+    (SDPA's math path scales q and k with mul.Scalar)."""
+
+    def forward(self, x, ids):
+        aten = torch.ops.aten
+        return (aten.mul.Scalar(x, 0.3), aten.add.Scalar(x, 1.7), aten.sub.Scalar(x, 3), aten.div.Scalar(x, 7.0),
+                aten.add.Scalar(x, 2, alpha=3), aten.mul.Scalar(ids, 3), aten.div.Scalar(ids, 2))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_scalar_overloads_of_add_sub_mul_div_are_native_steps_equal_to_eagers(dtype):
+    """A bf16 add or sub rounds its scalar to bf16 first, as ATen does; an
+    int64 tensor's true division is the float division of its values; an add
+    with alpha (positional in add.Scalar's schema) stays PyTorch's."""
+    from kwker.aten_graph import trace_to_aten
+    from kwker.lower import lower_to_plan
+
+    x, ids = (torch.randn(3, 40) * 10).to(dtype), torch.arange(-5, 5)
+    module = _ScalarOverloads()
+    plan, report = lower_to_plan(trace_to_aten(module, [x, ids]), [x, ids], [])
+    assert report.fallback_ops == ["aten.add.Scalar"], report.fallback_ops
+    for got, want in zip(plan(x, ids), module(x, ids)):
+        assert got.dtype == want.dtype and torch.equal(got, want)
