@@ -428,6 +428,19 @@ def _lower_index(lw: _Lowering, node: Node):
     lw.op(node, "embedding", [lw.view(y), lw.view(val(indices[0])), lw.view(rows)], [P["GATHER_WRAP"]])
 
 
+def _lower_index_select(lw: _Lowering, node: Node):
+    """index_select(table, 0, ids): rows of a 1-D or 2-D table (XGLM's
+    sinusoidal positions); an id out of range raises, as index_select does."""
+    table, dim, ids = node.args[:3]
+    rows = val(table)
+    if rows.dim() not in (1, 2) or dim % rows.dim() != 0 or val(ids).dim() != 1:
+        return False
+    y = val(node)
+    if rows.dim() == 1:
+        y, rows = y.unsqueeze(-1), rows.unsqueeze(-1)
+    lw.op(node, "embedding", [lw.view(y), lw.view(val(ids)), lw.view(rows)], [0])
+
+
 def _lower_index_put(lw: _Lowering, node: Node):
     """y[ids] = src in place (index_put_ with one index tensor, not accumulating):
     rows of a 1-D or 2-D y, negative ids from the end. A mixture of experts'
@@ -892,6 +905,7 @@ LOWERINGS = {
     ops.attention.default: _lower_attention,
     aten.embedding.default: _lower_embedding,
     aten.index.Tensor: _lower_index,
+    aten.index_select.default: _lower_index_select,
     aten.empty_like.default: _lower_empty,
     aten.histc.default: _lower_histc,
     aten.topk.default: _lower_topk,
@@ -906,6 +920,8 @@ LOWERINGS = {
     aten.mul.Tensor: _binary("BINARY_MUL"),
     aten.div.Tensor: _binary("BINARY_DIV"),
     aten.floor_divide.default: _binary("BINARY_FLOOR_DIV"),
+    aten.maximum.default: _binary("BINARY_MAX"),
+    aten.minimum.default: _binary("BINARY_MIN"),
     aten.add.Scalar: _binary("BINARY_ADD"),  # SDPA's math path scales q and k so
     aten.sub.Scalar: _binary("BINARY_SUB"),
     aten.mul.Scalar: _binary("BINARY_MUL"),

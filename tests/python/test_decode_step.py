@@ -1086,3 +1086,34 @@ def test_scalar_overloads_of_add_sub_mul_div_are_native_steps_equal_to_eagers(dt
     assert report.fallback_ops == ["aten.add.Scalar"], report.fallback_ops
     for got, want in zip(plan(x, ids), module(x, ids)):
         assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+class _SelectAndExtremes(torch.nn.Module):
+    """XGLM's positions: index_select of a table's rows, then an elementwise
+    maximum of two tensors."""
+
+    def forward(self, table, column, ids, x, y, i, j):
+        return (table.index_select(0, ids), column.index_select(0, ids), torch.maximum(x, y), torch.minimum(x, y),
+                torch.maximum(i, j), torch.minimum(i, j))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_index_select_maximum_and_minimum_are_native_steps_equal_to_eagers(dtype):
+    """NaN propagates through maximum and minimum, as torch's; an id out of
+    range raises IndexError, as index_select does."""
+    from kwker.aten_graph import trace_to_aten
+    from kwker.lower import lower_to_plan
+
+    x, y = torch.randn(4, 9).to(dtype), torch.randn(1, 9).to(dtype)
+    x[0, 0], y[0, 3] = float("nan"), float("nan")
+    inputs = [torch.randn(10, 6).to(dtype), torch.randn(10).to(dtype), torch.tensor([9, 0, 3, 3]), x, y,
+              torch.tensor([-2**62, 5, 7]), torch.tensor([3, -9, 7])]
+    module = _SelectAndExtremes()
+    plan, report = lower_to_plan(trace_to_aten(module, inputs), inputs, [])
+    assert report.fallback_ops == [], report.fallback_ops
+    for got, want in zip(plan(*inputs), module(*inputs)):
+        assert got.dtype == want.dtype and torch.equal(got.nan_to_num(0.5), want.nan_to_num(0.5))
+        assert torch.equal(got.isnan(), want.isnan())
+    inputs[2] = torch.tensor([9, 0, 10, 3])
+    with pytest.raises(IndexError):
+        plan(*inputs)
