@@ -59,6 +59,9 @@ enum {
     KW_GELU_TANH = 1 /* gelu ip[0]: approximate="tanh" */
 };
 enum {
+    KW_SOFTMAX_SAFE = 1, /* softmax ip[0]: a row of -inf alone gives zeros, not NaN (aten._safe_softmax) */
+};
+enum {
     KW_WHERE_X_IF_TRUE = 0, /* where ip[0]: y = cond ? x : fp[0] */
     KW_WHERE_X_IF_FALSE = 1 /* where ip[0]: y = cond ? fp[0] : x */
 };

@@ -18,7 +18,9 @@ void KW__ISA_NAME(kw__softmax_rows)(const kw__rowwise *p, int64_t r0, int64_t r1
     for (int64_t r = r0; r < r1; r++) {
         const char *x = kw__row(&p->x, r);
         char *y = kw__row(&p->y, r);
-        const kw_v m = kw_v_set1(row_max(x, xt, p->N)); /* a NaN element makes its exp, so the sum, NaN */
+        const float mx = row_max(x, xt, p->N);
+        if (p->safe && mx == -INFINITY && kw__softmax_zero_row(p, x, y)) continue;
+        const kw_v m = kw_v_set1(mx); /* a NaN element makes its exp, so the sum, NaN */
         kw_v s = kw_v_zero();
         for (int64_t i = 0; i < p->N; i += KW_VW) {
             const kw_v e = kw_v_exp(kw_v_sub(ld_fill(x, xt, i, p->N, 0.0f), m));

@@ -407,7 +407,15 @@ def _lower_softmax(lw: _Lowering, node: Node):
     x, dim, half_to_float = node.args
     if half_to_float or dim % val(x).dim() != val(x).dim() - 1:
         return False
-    lw.op(node, "softmax", [lw.view(val(node)), lw.view(val(x))])
+    lw.op(node, "softmax", [lw.view(val(node)), lw.view(val(x))], [0])
+
+
+def _lower_safe_softmax(lw: _Lowering, node: Node):
+    """_safe_softmax (SDPA's math path): softmax, but a row of -inf alone is zeros."""
+    x, dim = node.args[:2]
+    if dim % val(x).dim() != val(x).dim() - 1:
+        return False
+    lw.op(node, "softmax", [lw.view(val(node)), lw.view(val(x))], [P["SOFTMAX_SAFE"]])
 
 
 def _lower_embedding(lw: _Lowering, node: Node):
@@ -915,6 +923,7 @@ LOWERINGS = {
     aten.empty.memory_format: _lower_empty,
     aten.native_layer_norm.default: _lower_layer_norm,
     aten._softmax.default: _lower_softmax,
+    aten._safe_softmax.default: _lower_safe_softmax,
     aten.add.Tensor: _binary("BINARY_ADD"),
     aten.sub.Tensor: _binary("BINARY_SUB"),
     aten.mul.Tensor: _binary("BINARY_MUL"),

@@ -36,6 +36,36 @@ Test(softmax, every_variant_matches_the_reference) {
     }
 }
 
+/* _safe_softmax: a row of -inf alone is zeros; a row with a NaN is NaN, as softmax's. */
+Test(softmax, a_safe_softmax_gives_zeros_for_a_row_of_minus_inf_alone) {
+    tt_rng r = {43};
+    for (int trial = 0; trial < 8; trial++) {
+        const kw_dtype xt = fdt[trial % 2], yt = fdt[trial / 2 % 2];
+        const int64_t M = 4, N = trial / 4 ? 37 : 16;
+        tt_case k = {0};
+        kw_tensor *x = tt_padded(&k, 1, xt, 2, TT_DIMS(M, N), 1, -5, 5, &r);
+        tt_padded(&k, 0, yt, 2, TT_DIMS(M, N), 1, 0, 0, &r);
+        for (int64_t i = 0; i < N; i++) {
+            tt_set(x, (int64_t[]){1, i}, -INFINITY);
+            tt_set(x, (int64_t[]){2, i}, i == 3 ? NAN : -INFINITY);
+            if (i % 2) tt_set(x, (int64_t[]){3, i}, -INFINITY);
+        }
+        k.c.ip[0] = KW_SOFTMAX_SAFE;
+        tt_check_variants(KW_OP_SOFTMAX, &k, (tt_tol){2e-6, yt == KW_BF16 ? 0x1p-7 : 1e-5}, "safe softmax");
+        const kw_tensor *y = &k.c.t[0];
+        double sum0 = 0, sum3 = 0;
+        for (int64_t i = 0; i < N; i++) {
+            cr_assert_eq(tt_get(y, (int64_t[]){1, i}), 0.0, "trial %d: the row of -inf, [%lld]", trial, (long long)i);
+            cr_assert(isnan(tt_get(y, (int64_t[]){2, i})), "trial %d: the row with a NaN, [%lld]", trial, (long long)i);
+            sum0 += tt_get(y, (int64_t[]){0, i}), sum3 += tt_get(y, (int64_t[]){3, i});
+        }
+        cr_assert(fabs(sum0 - 1) < 0.02 && fabs(sum3 - 1) < 0.02, "trial %d: sums %g %g", trial, sum0, sum3);
+        k.c.ip[0] = 2;
+        tt_expect_reject(KW_OP_SOFTMAX, &k.c, KW_EINVAL, "ip[0] must be 0 or KW_SOFTMAX_SAFE (got 2)");
+        tt_free(&k);
+    }
+}
+
 Test(softmax, reference_matches_double_precision) {
     tt_rng r = {42};
     const int64_t N = 77;

@@ -1117,3 +1117,26 @@ def test_index_select_maximum_and_minimum_are_native_steps_equal_to_eagers(dtype
     inputs[2] = torch.tensor([9, 0, 10, 3])
     with pytest.raises(IndexError):
         plan(*inputs)
+
+
+class _SafeSoftmax(torch.nn.Module):
+    def forward(self, x):
+        return torch.ops.aten._safe_softmax(x, -1), torch.ops.aten._safe_softmax(x, -1, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_safe_softmax_is_a_native_step_close_to_atens_zeros_for_a_row_of_minus_inf(dtype):
+    from kwker.aten_graph import trace_to_aten
+    from kwker.lower import lower_to_plan
+
+    x = torch.randn(4, 24).to(dtype)
+    x[1] = float("-inf")
+    x[2, ::2] = float("-inf")
+    x[3, :] = float("-inf")
+    x[3, 5] = float("nan")
+    plan, report = lower_to_plan(trace_to_aten(_SafeSoftmax(), [x]), [x], [])
+    assert report.fallback_ops == [], report.fallback_ops
+    for got, want in zip(plan(x), _SafeSoftmax()(x)):
+        assert got.dtype == want.dtype and torch.equal(got[1], torch.zeros_like(got[1])) and got[3].isnan().all()
+        torch.testing.assert_close(got, want, equal_nan=True, rtol=1e-5 if got.dtype == torch.float32 else 2**-7,
+                                   atol=1e-6)

@@ -41,6 +41,7 @@ static PyObject *op_params(PyObject *self, PyObject *unused) {
         {"GATHER_WRAP", KW_GATHER_WRAP},
         {"GELU_ERF", KW_GELU_ERF},
         {"GELU_TANH", KW_GELU_TANH},
+        {"SOFTMAX_SAFE", KW_SOFTMAX_SAFE},
         {"WHERE_X_IF_TRUE", KW_WHERE_X_IF_TRUE},
         {"WHERE_X_IF_FALSE", KW_WHERE_X_IF_FALSE},
         {"DNNL_MIN_M_F32", KW_DNNL_MIN_M_F32},
