@@ -426,14 +426,22 @@ def _lower_embedding(lw: _Lowering, node: Node):
 def _lower_index(lw: _Lowering, node: Node):
     """table[ids]: rows of a 1-D or 2-D tensor (a 1-D one as rows of one) picked
     by one integer index tensor, negative ids from the end. A mixture of
-    experts' routing gathers its rows and weights so."""
+    experts' routing gathers its rows and weights so. Also table[:, :, ids]
+    where the dims before the indexed one are all of size 1 (Falcon's decode
+    step): the same rows of table[0, 0]."""
     table, indices = node.args
-    if len(indices) != 1 or not isinstance(indices[0], Node) or val(table).dim() not in (1, 2):
+    lead = len(indices) - 1
+    if not indices or any(i is not None for i in indices[:-1]) or not isinstance(indices[-1], Node):
         return False
     y, rows = val(node), val(table)
+    if any(n != 1 for n in rows.shape[:lead]):
+        return False
+    y, rows = y[(0,) * lead], rows[(0,) * lead]
+    if rows.dim() not in (1, 2):
+        return False
     if rows.dim() == 1:
         y, rows = y.unsqueeze(-1), rows.unsqueeze(-1)
-    lw.op(node, "embedding", [lw.view(y), lw.view(val(indices[0])), lw.view(rows)], [P["GATHER_WRAP"]])
+    lw.op(node, "embedding", [lw.view(y), lw.view(val(indices[-1])), lw.view(rows)], [P["GATHER_WRAP"]])
 
 
 def _lower_index_select(lw: _Lowering, node: Node):

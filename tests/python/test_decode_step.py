@@ -1140,3 +1140,21 @@ def test_a_safe_softmax_is_a_native_step_close_to_atens_zeros_for_a_row_of_minus
         assert got.dtype == want.dtype and torch.equal(got[1], torch.zeros_like(got[1])) and got[3].isnan().all()
         torch.testing.assert_close(got, want, equal_nan=True, rtol=1e-5 if got.dtype == torch.float32 else 2**-7,
                                    atol=1e-6)
+
+
+class _IndexAfterSlices(torch.nn.Module):
+    def forward(self, table, ids):
+        return table[:, :, ids], table[0][:, ids]
+
+
+def test_rows_picked_after_slices_of_size_one_are_a_native_step():
+    """t[:, :, ids] over leading dims of size 1 (Falcon's decode step) reads the
+    rows of t[0, 0]; a negative id counts from the end, as indexing does."""
+    from kwker.aten_graph import trace_to_aten
+    from kwker.lower import lower_to_plan
+
+    inputs = [torch.randn(1, 1, 6, 16), torch.tensor([5, -6, 2])]
+    plan, report = lower_to_plan(trace_to_aten(_IndexAfterSlices(), inputs), inputs, [])
+    assert report.fallback_ops == [], report.fallback_ops
+    for got, want in zip(plan(*inputs), _IndexAfterSlices()(*inputs)):
+        assert torch.equal(got, want)
