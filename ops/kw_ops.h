@@ -161,12 +161,12 @@ enum {
      * against 17.5). */
     KW_AMX_MIN_M_BF16 = 2,
     KW_AMX_MIN_M_F32 = 16,
-    /* bmm reads every column of b once per row of a: the decode steps' one row
-     * (BLOOM's attention: a 24-layer BLOOM's replayed step, medians of three,
-     * 59.9 ms natively against 77.4 with ATen's bmm as fallback steps in fp32,
-     * 51.4 against 59.9 in bf16, Zen 4) and a
-     * verify step's few, not a prefill chunk's hundred, where ATen's blocked
-     * GEMM measured 2x faster (16 heads over 1024 positions, 128 rows). */
+    /* bmm reads every column of b once per row of a: right for the decode
+     * steps' one row (BLOOM's attention: a 24-layer BLOOM's replayed step,
+     * medians of three, 59.9 ms natively against 77.4 with ATen's bmm as
+     * fallback steps in fp32, 51.4 against 59.9 in bf16, Zen 4) and a verify
+     * step's few, not a prefill chunk's hundred, where ATen's blocked GEMM
+     * measured 2x faster (16 heads over 1024 positions, 128 rows). */
     KW_BMM_MAX_M = 8,
 };
 

@@ -117,10 +117,9 @@ REFERENCE = {
 # ---- the CPU implementations: the native op where its rules accept the call ----------
 # Each allocates its outputs contiguous, attention's as SDPA's (the fake
 # implementation promises that layout, which Inductor asserts on its extern
-# kernels' outputs), runs the native
-# op through _C.run_op, and runs the reference where the native op rejects the
-# call (a float16 input, rows that are not contiguous). lower.py gives a plan's
-# steps the same native ops and slots.
+# kernels' outputs), runs the native op through _C.run_op, and runs the
+# reference where the native op rejects the call (a float16 input, rows that are
+# not contiguous). lower.py gives a plan's steps the same native ops and slots.
 
 def _native(name: str, tensors: list, ip=(), fp=()) -> bool:
     try:

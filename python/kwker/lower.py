@@ -439,9 +439,7 @@ def _lower_index(lw: _Lowering, node: Node):
     y, rows = y[(0,) * lead], rows[(0,) * lead]
     if rows.dim() not in (1, 2):
         return False
-    if rows.dim() == 1:
-        y, rows = y.unsqueeze(-1), rows.unsqueeze(-1)
-    lw.op(node, "embedding", [lw.view(y), lw.view(val(indices[-1])), lw.view(rows)], [P["GATHER_WRAP"]])
+    _gather_rows(lw, node, y, rows, val(indices[-1]), P["GATHER_WRAP"])
 
 
 def _lower_index_select(lw: _Lowering, node: Node):
@@ -451,10 +449,14 @@ def _lower_index_select(lw: _Lowering, node: Node):
     rows = val(table)
     if rows.dim() not in (1, 2) or dim % rows.dim() != 0 or val(ids).dim() != 1:
         return False
-    y = val(node)
+    _gather_rows(lw, node, val(node), rows, val(ids), 0)
+
+
+def _gather_rows(lw: _Lowering, node: Node, y, rows, ids, mode: int):
+    """y = rows[ids] as the embedding step (ip[0] mode), rows 2-D or 1-D (rows of one)."""
     if rows.dim() == 1:
         y, rows = y.unsqueeze(-1), rows.unsqueeze(-1)
-    lw.op(node, "embedding", [lw.view(y), lw.view(val(ids)), lw.view(rows)], [0])
+    lw.op(node, "embedding", [lw.view(y), lw.view(ids), lw.view(rows)], [mode])
 
 
 def _lower_index_put(lw: _Lowering, node: Node):

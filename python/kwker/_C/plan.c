@@ -442,7 +442,6 @@ static void prefetch_checks(const kw__state *s, PyObject *const *args) {
     }
 }
 
-/* Steps 2-4 of a call, with the plan's lock held. */
 /* After a replay, failed or not (its steps may have written): what PyTorch's
  * in-place ops do to the tensors they write. 0, or -1 with an exception (kept
  * when one is set already). */
@@ -459,6 +458,7 @@ static int bump_versions(const kw__program *prog, PyObject *const *args) {
     return r ? 0 : -1;
 }
 
+/* Steps 2-4 of a call, with the plan's lock held. */
 static PyObject *call_locked(PlanObject *p, PyObject *const *args, Py_ssize_t nargs) {
     const int64_t t0 = now_ns();
     prefetch_checks(p->s, args);
