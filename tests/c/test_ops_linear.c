@@ -92,17 +92,36 @@ Test(linear, k_blocked_weights_match_the_reference_and_the_plain_layout) {
     cr_expect_eq(kw_linear_block(8192 + 1), 0);
 }
 
+/* Rows per thread > KW__CHUNK, and tiles of 3 or more activation rows of 4 KiB
+ * or more, which bf16 weights read three rows at a time on AVX-512
+ * (KW__WIDE_ROW_BYTES): a K of 2051 (a partial group at the end of each row),
+ * and K blocked by 2048; N = 301 and 97 leave one row after the threes. */
 Test(linear, long_rows_and_many_outputs) {
     tt_rng r = {2};
     static const kw_dtype pairs[][2] = {{KW_F32, KW_F32}, {KW_F32, KW_BF16}, {KW_BF16, KW_BF16}};
-    for (int p = 0; p < 3; p++) {
-        tt_case k = {0};
-        const int64_t M = 1 + p * 3, K = 2051, N = 300; /* rows per thread > KW__CHUNK */
-        make_x_w(&k, 1, 2, pairs[p][0], pairs[p][1], M, K, N, &r);
-        tt_tensor(&k, 0, pairs[p][0], 2, TT_DIMS(M, N), NULL, 0, 0, &r);
-        tt_check_variants(KW_OP_LINEAR, &k, lin_tol(pairs[p][0], K), "long rows");
-        tt_free(&k);
-    }
+    static const int64_t rows[] = {1, 3, 4, 7};
+    for (int p = 0; p < 3; p++)
+        for (int i = 0; i < 4; i++) {
+            const int64_t M = rows[i], K = 2051, N = 301;
+            tt_case k = {0};
+            make_x_w(&k, 1, 2, pairs[p][0], pairs[p][1], M, K, N, &r);
+            tt_tensor(&k, 0, pairs[p][0], 2, TT_DIMS(M, N), NULL, 0, 0, &r);
+            char what[64];
+            snprintf(what, sizeof what, "long rows, %s x %s M=%lld", kw_dtype_name(pairs[p][0]),
+                     kw_dtype_name(pairs[p][1]), (long long)M);
+            tt_check_variants(KW_OP_LINEAR, &k, lin_tol(pairs[p][0], K), what);
+            tt_free(&k);
+        }
+    for (int p = 1; p < 3; p++)
+        for (int64_t M = 3; M <= 6; M += 3) {
+            const int64_t K = 2 * KW_LINEAR_BLOCK, N = 97;
+            tt_case k = {0};
+            tt_padded(&k, 1, pairs[p][0], 2, TT_DIMS(M, K), 0, -1, 1, &r);
+            make_blocked_w(&k, 2, KW_BF16, K, N, KW_LINEAR_BLOCK, &r);
+            tt_tensor(&k, 0, pairs[p][0], 2, TT_DIMS(M, N), NULL, 0, 0, &r);
+            tt_check_variants(KW_OP_LINEAR, &k, lin_tol(pairs[p][0], K), "long rows, blocked");
+            tt_free(&k);
+        }
 }
 
 /* Whether the call, prepared for this CPU, runs linear's AMX kernel. */
