@@ -29,7 +29,6 @@
  * odd ones, zero-padded to whole groups in every block of K. */
 #include "linear.h"
 #include "simd.h"
-#include <stdlib.h>
 
 /* A run: the dot products of nrows consecutive weight rows (wb bytes apart) with
  * MB activation rows (xs elements apart), into out[r·MB + m]; pf as in kw__lin. */
@@ -358,8 +357,8 @@ static inline int tile_rows(int64_t M, int64_t m0, int mb_max) {
 static void block_run(const kw__lin *g, const kw__acts *a, int64_t kb, int64_t n, int64_t nr, int64_t m0, int MB,
                       float *out) {
     const char *x = a->x + (size_t)(m0 * a->xs + kb * a->kbs) * a->esize;
-    (a->runs_wide && MB >= 3 ? a->runs_wide : a->runs)[MB - 1](x, a->xs, g->kblk, kw__lin_wrow(g, kb, n),
-                                            g->ws * (int64_t)kw_dtype_size(g->wt), nr, g->pf, out);
+    const kw__run_fn *runs = a->runs_wide && MB >= 3 ? a->runs_wide : a->runs;
+    runs[MB - 1](x, a->xs, g->kblk, kw__lin_wrow(g, kb, n), g->ws * (int64_t)kw_dtype_size(g->wt), nr, g->pf, out);
 }
 
 /* Stores MB dot products with weight row n, plus bias, rounding to y's dtype once. */
