@@ -294,6 +294,24 @@ Test(linear_multi, split_outputs_equal_the_concatenated_linear) {
     tt_free(&multi);
 }
 
+/* Outputs of 64, 17 and 22 weight rows, read by wide tiles (KW__WIDE_ROW_BYTES). */
+Test(linear_multi, long_rows) {
+    tt_rng r = {14};
+    for (int p = 0; p < 2; p++) {
+        const kw_dtype xt = p ? KW_BF16 : KW_F32;
+        const int64_t M = 5, K = 2051, sizes[3] = {64, 17, 22};
+        int64_t N = 0;
+        tt_case k = {0};
+        for (int j = 0; j < 3; j++) {
+            tt_tensor(&k, j, xt, 2, TT_DIMS(M, sizes[j]), NULL, 0, 0, &r);
+            N += sizes[j];
+        }
+        make_x_w(&k, 4, 5, xt, KW_BF16, M, K, N, &r);
+        tt_check_variants(KW_OP_LINEAR_MULTI, &k, lin_tol(xt, K), "linear_multi, long rows");
+        tt_free(&k);
+    }
+}
+
 Test(linear_multi, k_blocked_weights) {
     tt_rng r = {12};
     for (int trial = 0; trial < 12; trial++) {
@@ -433,6 +451,22 @@ Test(grouped_linear, every_variant_matches_the_reference_and_each_expert_its_row
         tt_check_variants(KW_OP_GROUPED_LINEAR, &k, lin_tol(xt, K), what);
         tt_run_shared(KW_OP_GROUPED_LINEAR, kw_cpu_isa(), &k.c, 2, 1);
         expect_grouped_product(&k, S, E, K, N, what);
+        tt_free(&k);
+    }
+}
+
+/* Experts' rows long enough for wide tiles (KW__WIDE_ROW_BYTES), with up to 16
+ * rows an expert. */
+Test(grouped_linear, long_rows) {
+    tt_rng r = {13};
+    for (int trial = 0; trial < 6; trial++) {
+        const kw_dtype xt = trial % 2 ? KW_BF16 : KW_F32;
+        const int64_t S = 16, E = 3, K = 2051, N = 40;
+        tt_case k = {0};
+        make_grouped(&k, xt, KW_BF16, S, E, K, N, KW_I64, 0, &r);
+        tt_check_variants(KW_OP_GROUPED_LINEAR, &k, lin_tol(xt, K), "grouped_linear, long rows");
+        tt_run_shared(KW_OP_GROUPED_LINEAR, kw_cpu_isa(), &k.c, 2, 1);
+        expect_grouped_product(&k, S, E, K, N, "grouped_linear, long rows");
         tt_free(&k);
     }
 }
