@@ -145,14 +145,16 @@ enum {
     /* On an AMX CPU linear runs its tile kernel (ops/linear_amx.c) over bf16
      * weights from KW_AMX_MIN_M_BF16 / _F32 rows of x (below), and the
      * crossovers move. On a 2-vCPU Xeon (bench/ops.py, Llama-3.2-1B's MLP, 2
-     * threads), bf16 x: linear 4.1-4.3 ms at M = 1 against 4.6-4.8 for the AVX-512 kernel, 10.6-11.0 against
-     * 19.8-36.7 at M = 32, and against oneDNN 16.4 / 16.8 at M = 64, 33.6 / 26.1
-     * at M = 128; f32 x over the bf16 copy: 4.2 against 4.4-5.1 at M = 1, 5.7
-     * against 9.2-10.3 at M = 8, and against oneDNN (f32 weights) 68 / 81 at
-     * M = 128, the largest measured. The lowering reads the crossovers for the
-     * CPU it runs on (kwker._C.op_params). */
-    KW_DNNL_MIN_M_BF16_AMX = 128,
-    KW_DNNL_MIN_M_F32_BF16_COPY_AMX = 256,
+     * threads), bf16 x: linear 4.1-4.3 ms at M = 1 against 4.6-4.8 for the
+     * AVX-512 kernel, 10.6-11.0 against 19.8-36.7 at M = 32. With the wide
+     * tiles (two weight groups × two blocks of x), against oneDNN: bf16 x
+     * 10.3-12.0 ms against 14.0-20.4 at M = 128, 18.3-21.2 against 21.1-23.2 at
+     * 256, 41.4 / 45.3 against 40.6 / 49.6 at 512; f32 x over the bf16 copy
+     * (oneDNN over the f32 weights) 24.6-32.0 against 50.2-54.3 at 128, 117 /
+     * 125 against 178 / 181 at 512, the largest measured. The lowering reads the
+     * crossovers for the CPU it runs on (kwker._C.op_params). */
+    KW_DNNL_MIN_M_BF16_AMX = 512,
+    KW_DNNL_MIN_M_F32_BF16_COPY_AMX = 1024,
     /* Over SmolLM2-360M's decode plan (rows of 960) the tile kernel lost at one
      * row: replays of 46-52 ms against 47-52 (bf16) and 63-64 against 45-48 (f32
      * x, three tile products a step), while it won at 5 and 8 rows in bf16

@@ -63,9 +63,14 @@ void kw__linear_run(const kw_call *c, const kw__lin *prepared, int ith, int nth)
  * t, zero when none is taken; only the contested chunks touch the shared line. */
 #define KW__LIN_SHARE_MAX (KW_SHARE_BYTES / 8)
 
+/* On AMX, from two blocks of 16 rows of x with K in whole steps of 32, two
+ * groups of weight rows take their products together (see linear_amx.c): rows
+ * of x are padded to whole blocks, and chunks hold at least the two groups. */
+static inline int kw__lin_amx_wide(const kw__lin *g) { return g->amx_parts && g->M > 16 && g->kblk % 32 == 0; }
+
 static inline int64_t kw__lin_chunk_rows(const kw__lin *g) {
     const int64_t row_bytes = g->K * (int64_t)kw_dtype_size(g->wt);
-    return KW__MAX(16, (65536 / KW__MAX(row_bytes, 1)) / 16 * 16);
+    return KW__MAX(kw__lin_amx_wide(g) ? 32 : 16, (65536 / KW__MAX(row_bytes, 1)) / 16 * 16);
 }
 
 /* The next rows [*n0, *n1) for thread ith; 0 when every chunk is taken. *own
@@ -108,10 +113,11 @@ static inline int kw__lin_claim(const kw__lin *g, uint64_t *share, int64_t *own,
  * widest vector's 32 bf16. */
 static inline int64_t kw__lin_block_padded(int64_t kblk) { return (kblk + 31) / 32 * 32; }
 
-/* One part of x in the AMX kernel's B tiles: M rows × every step of 32 along K
- * (each block of K padded to whole steps) × 2 bf16. */
+/* One part of x in the AMX kernel's B tiles: M rows (whole blocks of 16 when
+ * wide) × every step of 32 along K (each block of K padded to whole steps) × 2 bf16. */
 static inline size_t kw__lin_amx_part_bytes(const kw__lin *g) {
-    return (size_t)(g->M * (g->K / g->kblk) * kw__lin_block_padded(g->kblk)) * 2;
+    const int64_t rows = kw__lin_amx_wide(g) ? (g->M + 15) / 16 * 16 : g->M;
+    return (size_t)(rows * (g->K / g->kblk) * kw__lin_block_padded(g->kblk)) * 2;
 }
 
 static inline size_t kw__lin_acts_bytes(const kw__lin *g) {

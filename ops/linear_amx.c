@@ -28,9 +28,8 @@
  * last part). A thread loads the tile configuration when it lays out x for a
  * call and releases the tiles after its last rows (`done`), so its tile state is
  * never live between kernels. */
-#include <immintrin.h>
-
 #include "linear.h"
+#include "simd.h"
 
 /* Tile registers. GCC's tile intrinsics paste their register numbers into the
  * instruction text, so they are macros, expanded through the wrappers below. */
@@ -42,6 +41,16 @@
 #define T_C_PART 5      /* the same three for the last block of x, when it has fewer than 16 rows */
 #define T_B_PART 6
 #define T_B_TAIL_PART 7
+/* Wide calls (kw__lin_amx_wide) configure all eight as full tiles instead: sums
+ * of groups of weight rows 0, 1 against blocks of x 0, 1, two A and two B. */
+#define W_C00 0
+#define W_C01 1
+#define W_C10 2
+#define W_C11 3
+#define W_A0 4
+#define W_A1 5
+#define W_B0 6
+#define W_B1 7
 #define ZERO(t) _tile_zero(t)
 #define LOAD(t, p, stride) _tile_loadd(t, p, stride)
 #define STORE(t, p, stride) _tile_stored(t, p, stride)
@@ -76,6 +85,11 @@ static size_t packed_offset(const kw__lin *g, int p, int64_t mb, int64_t kb, int
 static void configure_tiles(const kw__lin *g) {
     const int64_t part = g->M % 16, tk = tail_k(g);
     tile_config cfg = {.palette = 1};
+    if (kw__lin_amx_wide(g)) {
+        for (int t = 0; t < 8; t++) set_tile(&cfg, t, 16, 64);
+        _tile_loadconfig(&cfg);
+        return;
+    }
     set_tile(&cfg, T_C, 16, 64);
     set_tile(&cfg, T_A, 16, 64);
     set_tile(&cfg, T_B, 16, 64);
@@ -89,30 +103,67 @@ static void configure_tiles(const kw__lin *g) {
     _tile_loadconfig(&cfg);
 }
 
+/* Part p of x's row from xrow (element k0 of it) over one step of 32 along K,
+ * as 16 K pairs: bf16 x as stored, f32 x split as kw__f32_to_bf16 rounds. */
+static inline __m512i row_pairs(const kw__lin *g, const char *xrow, int p) {
+    if (g->xt == KW_BF16) return _mm512_loadu_si512(xrow);
+    kw_v lo = kw_v_loadu((const float *)xrow), hi = kw_v_loadu((const float *)xrow + 16);
+    for (int q = 0; q < p; q++) /* exact: each part is the rest rounded to its top 8 bits */
+        lo = _mm512_sub_ps(lo, kw_v_round_to(lo, KW_BF16)), hi = _mm512_sub_ps(hi, kw_v_round_to(hi, KW_BF16));
+    return _mm512_inserti64x4(_mm512_castsi256_si512(kw__narrow_bf16(lo)), kw__narrow_bf16(hi), 1);
+}
+
+/* Block mb of x (16 rows, zeros past M), step s of K block kb: each part's 16
+ * rows of pairs transposed in registers into the B tile's 16 rows of K pairs. */
+static void lay_out_block(const kw__lin *g, char *work, int64_t mb, int64_t kb, int64_t s) {
+    const size_t xsz = kw_dtype_size(g->xt);
+    for (int p = 0; p < g->amx_parts; p++) {
+        kw_v v[16];
+        for (int64_t mi = 0; mi < 16; mi++) {
+            const int64_t m = mb * 16 + mi;
+            v[mi] = m < g->M ? _mm512_castsi512_ps(row_pairs(g, g->x + (size_t)(m * g->xs + kb * g->kblk + s * 32) * xsz, p))
+                             : kw_v_zero();
+        }
+        kw_v_transpose(v);
+        char *tile = work + packed_offset(g, p, mb, kb, s, 16);
+        for (int kp = 0; kp < 16; kp++) kw_v_storeu((float *)(tile + kp * 64), v[kp]);
+    }
+}
+
+/* The same for `width` rows of x and a step of n along K, element by element:
+ * the last block of a narrow call, and the short step at the end of a block of K. */
+static void lay_out_rows(const kw__lin *g, char *work, int64_t mb, int64_t width, int64_t kb, int64_t s) {
+    const int64_t k0 = kb * g->kblk + s * 32, n = KW__MIN(32, g->kblk - s * 32);
+    for (int64_t mi = 0; mi < width; mi++) {
+        const int64_t m = mb * 16 + mi;
+        uint16_t *step[3]; /* row m's first pair in this step's B tiles, per part */
+        for (int p = 0; p < g->amx_parts; p++) step[p] = (uint16_t *)(work + packed_offset(g, p, mb, kb, s, width)) + mi * 2;
+        for (int64_t kk = 0; kk < n; kk++) {
+            const int64_t at = (kk / 2) * width * 2 + kk % 2;
+            if (g->xt == KW_BF16) {
+                step[0][at] = ((const uint16_t *)g->x)[m * g->xs + k0 + kk];
+                continue;
+            }
+            float rest = ((const float *)g->x)[m * g->xs + k0 + kk];
+            for (int p = 0; p < 3; p++) {
+                step[p][at] = kw__f32_to_bf16(rest);
+                rest -= kw__bf16_to_f32(step[p][at]);
+            }
+        }
+    }
+}
+
 void kw__linear_acts_amx(const kw__lin *g, void *work) {
     configure_tiles(g);
-    const int64_t steps = steps_per_block(g);
-    for (int64_t m = 0; m < g->M; m++) {
-        const int64_t mb = m / 16, mi = m % 16, width = KW__MIN(16, g->M - mb * 16);
+    const int64_t steps = steps_per_block(g), wide = kw__lin_amx_wide(g);
+    for (int64_t mb = 0; mb < (g->M + 15) / 16; mb++) {
+        const int64_t width = wide ? 16 : KW__MIN(16, g->M - mb * 16);
         for (int64_t kb = 0; kb < g->K / g->kblk; kb++)
-            for (int64_t s = 0; s < steps; s++) {
-                const int64_t k0 = kb * g->kblk + s * 32, n = KW__MIN(32, g->kblk - s * 32);
-                uint16_t *step[3]; /* row m's first pair in this step's B tiles, per part */
-                for (int p = 0; p < g->amx_parts; p++)
-                    step[p] = (uint16_t *)((char *)work + packed_offset(g, p, mb, kb, s, width)) + mi * 2;
-                for (int64_t kk = 0; kk < n; kk++) {
-                    const int64_t at = (kk / 2) * width * 2 + kk % 2;
-                    if (g->xt == KW_BF16) {
-                        step[0][at] = ((const uint16_t *)g->x)[m * g->xs + k0 + kk];
-                        continue;
-                    }
-                    float rest = ((const float *)g->x)[m * g->xs + k0 + kk];
-                    for (int p = 0; p < 3; p++) {
-                        step[p][at] = kw__f32_to_bf16(rest);
-                        rest -= kw__bf16_to_f32(step[p][at]); /* exact: the part is rest rounded to its top 8 bits */
-                    }
-                }
-            }
+            for (int64_t s = 0; s < steps; s++)
+                if (width == 16 && (s + 1) * 32 <= g->kblk)
+                    lay_out_block(g, work, mb, kb, s);
+                else
+                    lay_out_rows(g, work, mb, width, kb, s);
     }
 }
 
@@ -150,28 +201,99 @@ static inline __attribute__((always_inline)) void group_block(const kw__lin *g, 
     }
 }
 
+/* Wide: the sums of weight groups n (and n + 16 when `two`) against blocks mb
+ * (and mb + 1 when `pair`) of x, into W_C00 .. W_C11. Each A and B tile loaded
+ * serves two products where the single-tile loop loads both for one: over
+ * blocks of K that do not fit in L1 the loads, not the products, set its pace. */
+static inline __attribute__((always_inline)) void quad(const kw__lin *g, const char *packed, int64_t n, int64_t mb,
+                                                       const int two, const int pair) {
+    const int64_t steps = steps_per_block(g), nkb = g->K / g->kblk, wstride = g->ws * 2;
+    const size_t next_block = packed_offset(g, 0, 1, 0, 0, 16);
+    ZERO(W_C00);
+    if (pair) ZERO(W_C01);
+    if (two) ZERO(W_C10);
+    if (two && pair) ZERO(W_C11);
+    for (int64_t kb = 0; kb < nkb; kb++) {
+        const char *w0 = kw__lin_wrow(g, kb, n), *w1 = kw__lin_wrow(g, kb, n + 16);
+        for (int64_t s = 0; s < steps; s++) {
+            LOAD(W_A0, w0 + s * 64, wstride);
+            if (two) LOAD(W_A1, w1 + s * 64, wstride);
+            for (int p = 0; p < g->amx_parts; p++) {
+                const char *b = packed + packed_offset(g, p, mb, kb, s, 16);
+                LOAD(W_B0, b, 64);
+                DOT(W_C00, W_A0, W_B0);
+                if (two) DOT(W_C10, W_A1, W_B0);
+                if (pair) {
+                    LOAD(W_B1, b + next_block, 64);
+                    DOT(W_C01, W_A0, W_B1);
+                    if (two) DOT(W_C11, W_A1, W_B1);
+                }
+            }
+        }
+    }
+}
+
+/* y for block mb of x and weight rows n .. n + 15, from their sums (weight row,
+ * row of x) transposed in registers, biased and rounded to y's dtype. */
+static void store_sums(const kw__lin *g, float sums[16][16], int64_t n, int64_t mb) {
+    int j = 0;
+    int64_t s0, s1;
+    char *y = NULL;
+    while (!kw__lin_segment(g, j, n, n + 16, &s0, &s1, &y)) j++;
+    float bias[16];
+    kw_v v[16];
+    for (int r = 0; r < 16; r++) bias[r] = kw__lin_bias(g, n + r), v[r] = kw_v_loadu(sums[r]);
+    kw_v_transpose(v);
+    const kw_v bv = kw_v_loadu(bias);
+    for (int64_t mi = 0; mi < KW__MIN(16, g->M - mb * 16); mi++)
+        kw_v_st(y, (mb * 16 + mi) * g->out[j].ys, g->yt, kw_v_add(v[mi], bv));
+}
+
+static void rows_wide(const kw__lin *g, int64_t n0, int64_t n1, const char *packed) {
+    const int64_t blocks = (g->M + 15) / 16;
+    float sums[16][16];
+    for (int64_t n = n0; n < n1; n += 32) {
+        const int two = n + 16 < n1;
+        for (int64_t mb = 0; mb < blocks; mb += 2) {
+            const int pair = mb + 1 < blocks;
+            if (two && pair) quad(g, packed, n, mb, 1, 1);
+            else if (two) quad(g, packed, n, mb, 1, 0);
+            else if (pair) quad(g, packed, n, mb, 0, 1);
+            else quad(g, packed, n, mb, 0, 0);
+            STORE(W_C00, sums, 64);
+            store_sums(g, sums, n, mb);
+            if (pair) {
+                STORE(W_C01, sums, 64);
+                store_sums(g, sums, n, mb + 1);
+            }
+            if (two) {
+                STORE(W_C10, sums, 64);
+                store_sums(g, sums, n + 16, mb);
+            }
+            if (two && pair) {
+                STORE(W_C11, sums, 64);
+                store_sums(g, sums, n + 16, mb + 1);
+            }
+        }
+    }
+}
+
 void kw__linear_rows_amx(const kw__lin *g, int64_t n0, int64_t n1, void *work) {
+    if (kw__lin_amx_wide(g)) {
+        rows_wide(g, n0, n1, work);
+        return;
+    }
     const int64_t part = g->M % 16, full = g->M / 16;
     float sums[16][16];
-    for (int64_t n = n0; n < n1; n += 16) {
-        int j = 0;
-        int64_t s0, s1;
-        char *y = NULL;
-        while (!kw__lin_segment(g, j, n, n + 16, &s0, &s1, &y)) j++;
+    for (int64_t n = n0; n < n1; n += 16)
         for (int64_t mb = 0; mb <= full; mb++) {
             const int is_part = mb == full;
             if (is_part && !part) break;
             group_block(g, work, n, mb, is_part);
             if (is_part) STORE(T_C_PART, sums, 64);
             else STORE(T_C, sums, 64);
-            const int64_t width = is_part ? part : 16;
-            for (int r = 0; r < 16; r++) {
-                const float bias = kw__lin_bias(g, n + r);
-                for (int64_t mi = 0; mi < width; mi++)
-                    kw__stf(y, (mb * 16 + mi) * g->out[j].ys + r, g->yt, sums[r][mi] + bias);
-            }
+            store_sums(g, sums, n, mb);
         }
-    }
 }
 
 void kw__linear_done_amx(const kw__lin *g) { _tile_release(); }

@@ -136,17 +136,20 @@ static int runs_on_amx(kw_op_id op, const kw_call *c) {
 /* Shapes the AMX kernel takes (bf16 weights in groups of 16 rows, K in pairs),
  * with bf16 and f32 x: every variant against the reference, across blocks of 16
  * rows of x, steps of K shorter than 32, K-blocked weights, padded rows and
- * outputs split at groups. On an AMX CPU the kernel must be the one that ran;
- * elsewhere these are AVX-512 cases. */
+ * outputs split at groups; from 17 rows with K in steps of 32, the wide tiles
+ * (pairs of weight groups and of blocks of x, an odd one left over of either).
+ * On an AMX CPU the kernel must be the one that ran; elsewhere these are
+ * AVX-512 cases. */
 Test(linear, amx_shapes_match_the_reference) {
     tt_rng r = {21};
-    static const int64_t Ms_amx[] = {1, 2, 3, 5, 8, 15, 16, 17, 31, 33};  /* both sides of each threshold */
+    /* both sides of each threshold */
+    static const int64_t Ms_amx[] = {1, 2, 3, 5, 8, 15, 16, 17, 31, 33, 48, 64, 80};
     static const int64_t Ks_amx[] = {2, 30, 32, 34, 64, 100, 960};
     static const int64_t Ns_amx[] = {16, 32, 48, 80};
-    const int amx = kw_cpu_isa() >= KW_ISA_AMX;
-    for (int trial = 0; trial < 120; trial++) {
+    const int nm = (int)(sizeof Ms_amx / sizeof *Ms_amx), amx = kw_cpu_isa() >= KW_ISA_AMX;
+    for (int trial = 0; trial < 12 * nm; trial++) {
         const kw_dtype xt = trial % 2 ? KW_F32 : KW_BF16;
-        const int64_t M = Ms_amx[trial / 2 % 10], K = PICK(Ks_amx, &r), N = PICK(Ns_amx, &r);
+        const int64_t M = Ms_amx[trial / 2 % nm], K = PICK(Ks_amx, &r), N = PICK(Ns_amx, &r);
         const int blocked = trial % 5 == 4 && K % 2 == 0 && K >= 32, multi = trial % 3 == 1;
         tt_case k = {0};
         const kw_op_id op = multi ? KW_OP_LINEAR_MULTI : KW_OP_LINEAR;

@@ -255,7 +255,7 @@ def test_the_weight_reservation_holds_exactly_what_the_rewrite_copies(dtype, bia
 
 @pytest.mark.parametrize("dtype, bf16_valued", [
     (torch.float32, False),  # every linear, q/k/v and gate/up unstacked past the crossover
-    (torch.bfloat16, False),  # the crossover is this CPU's: 128 rows with AMX, 16 without
+    (torch.bfloat16, False),  # the crossover is this CPU's: 512 rows with AMX, 16 without
     (torch.float32, True),  # bf16-valued: read as bf16 copies by kwker's linear below the crossover
 ])
 def test_a_batch_past_onednns_crossover_runs_its_linears_there_with_eagers_tokens(dtype, bf16_valued, monkeypatch):
