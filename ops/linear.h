@@ -126,9 +126,15 @@ static inline size_t kw__lin_acts_bytes(const kw__lin *g) {
     return ((size_t)floats * sizeof(float) + 63) / 64 * 64;
 }
 
+/* The wide AMX kernel's sums between chunks of K: four 16 × 16 f32 tiles per
+ * pair of blocks of x, after the activations in the thread's scratch. */
+static inline size_t kw__lin_amx_sums_bytes(const kw__lin *g) {
+    return kw__lin_amx_wide(g) ? (size_t)((g->M + 31) / 32) * 4 * 1024 : 0;
+}
+
 static inline size_t kw__lin_work_size(const kw__lin *g) {
     const int64_t partial = g->kblk < g->K ? g->M * kw__lin_chunk_rows(g) : 0;
-    return kw__lin_acts_bytes(g) + (size_t)partial * sizeof(float) + 128;
+    return kw__lin_acts_bytes(g) + kw__lin_amx_sums_bytes(g) + (size_t)partial * sizeof(float) + 128;
 }
 
 static inline const char *kw__lin_wrow(const kw__lin *g, int64_t kb, int64_t n) {

@@ -22,8 +22,14 @@
  *
  * Each group of 16 weight rows (kw__lin_claim hands out whole groups, and every
  * output of linear_multi must be whole groups) is multiplied block of x after
- * block of x, its A tiles reloaded from L1, and its 16 × rows sums stored, biased
- * and rounded to y's dtype one by one. Sums are f32; the tile unit treats
+ * block of x, its A tiles reloaded from L1. From 17 rows of x with K in whole
+ * steps of 32 (kw__lin_amx_wide), the tiles are wide instead: two groups against
+ * two blocks of x (the last block padded with zero rows) in four C tiles, so that
+ * each tile loaded serves two products, over chunks of K whose A tiles stay in
+ * L1 (CHUNK_STEPS); Llama-3.2-1B's MLP at 128 rows of bf16 x took 9.5-10.2 ms
+ * on a 2-vCPU Xeon against 18.7-19.5 block after block (bench/ops.py). The 16 ×
+ * 16 sums are transposed in registers, biased and rounded to y's dtype a row of
+ * x at a time. Sums are f32; the tile unit treats
  * denormal bf16 inputs as zero (an f32 activation below 2^-110 or so loses its
  * last part). A thread loads the tile configuration when it lays out x for a
  * call and releases the tiles after its last rows (`done`), so its tile state is
@@ -201,86 +207,96 @@ static inline __attribute__((always_inline)) void group_block(const kw__lin *g, 
     }
 }
 
-/* Wide: the sums of weight groups n (and n + 16 when `two`) against blocks mb
- * (and mb + 1 when `pair`) of x, into W_C00 .. W_C11. Each A and B tile loaded
- * serves two products where the single-tile loop loads both for one: over
- * blocks of K that do not fit in L1 the loads, not the products, set its pace. */
+/* Wide calls take K in chunks of this many steps: the two groups' A tiles for a
+ * chunk (2 × 16 weight rows × 256 bf16, 16 KiB) stay in L1 while every pair of
+ * blocks of x runs over them, so that only the B tiles come from L2. */
+#define CHUNK_STEPS 8
+
+/* Wide: weight groups n (and n + 16 when `two`) against blocks mb (and mb + 1
+ * when `pair`) of x over steps [s0, s1) of K block kb, adding to the four sums
+ * in `tiles` (C00, C01, C10, C11; zeros when `first`). Each A and B tile loaded
+ * serves two tile products. */
 static inline __attribute__((always_inline)) void quad(const kw__lin *g, const char *packed, int64_t n, int64_t mb,
+                                                       int64_t kb, int64_t s0, int64_t s1, float *tiles, int first,
                                                        const int two, const int pair) {
-    const int64_t steps = steps_per_block(g), nkb = g->K / g->kblk, wstride = g->ws * 2;
+    const int64_t wstride = g->ws * 2;
     const size_t next_block = packed_offset(g, 0, 1, 0, 0, 16);
-    ZERO(W_C00);
-    if (pair) ZERO(W_C01);
-    if (two) ZERO(W_C10);
-    if (two && pair) ZERO(W_C11);
-    for (int64_t kb = 0; kb < nkb; kb++) {
-        const char *w0 = kw__lin_wrow(g, kb, n), *w1 = kw__lin_wrow(g, kb, n + 16);
-        for (int64_t s = 0; s < steps; s++) {
-            LOAD(W_A0, w0 + s * 64, wstride);
-            if (two) LOAD(W_A1, w1 + s * 64, wstride);
-            for (int p = 0; p < g->amx_parts; p++) {
-                const char *b = packed + packed_offset(g, p, mb, kb, s, 16);
-                LOAD(W_B0, b, 64);
-                DOT(W_C00, W_A0, W_B0);
-                if (two) DOT(W_C10, W_A1, W_B0);
-                if (pair) {
-                    LOAD(W_B1, b + next_block, 64);
-                    DOT(W_C01, W_A0, W_B1);
-                    if (two) DOT(W_C11, W_A1, W_B1);
-                }
+    const char *w0 = kw__lin_wrow(g, kb, n), *w1 = kw__lin_wrow(g, kb, n + 16);
+    if (first) {
+        ZERO(W_C00);
+        if (pair) ZERO(W_C01);
+        if (two) ZERO(W_C10);
+        if (two && pair) ZERO(W_C11);
+    } else {
+        LOAD(W_C00, tiles, 64);
+        if (pair) LOAD(W_C01, tiles + 256, 64);
+        if (two) LOAD(W_C10, tiles + 512, 64);
+        if (two && pair) LOAD(W_C11, tiles + 768, 64);
+    }
+    for (int64_t s = s0; s < s1; s++) {
+        LOAD(W_A0, w0 + s * 64, wstride);
+        if (two) LOAD(W_A1, w1 + s * 64, wstride);
+        for (int p = 0; p < g->amx_parts; p++) {
+            const char *b = packed + packed_offset(g, p, mb, kb, s, 16);
+            LOAD(W_B0, b, 64);
+            DOT(W_C00, W_A0, W_B0);
+            if (two) DOT(W_C10, W_A1, W_B0);
+            if (pair) {
+                LOAD(W_B1, b + next_block, 64);
+                DOT(W_C01, W_A0, W_B1);
+                if (two) DOT(W_C11, W_A1, W_B1);
             }
         }
     }
+    STORE(W_C00, tiles, 64);
+    if (pair) STORE(W_C01, tiles + 256, 64);
+    if (two) STORE(W_C10, tiles + 512, 64);
+    if (two && pair) STORE(W_C11, tiles + 768, 64);
 }
 
 /* y for block mb of x and weight rows n .. n + 15, from their sums (weight row,
  * row of x) transposed in registers, biased and rounded to y's dtype. */
-static void store_sums(const kw__lin *g, float sums[16][16], int64_t n, int64_t mb) {
+static void store_sums(const kw__lin *g, const float *sums, int64_t n, int64_t mb) {
     int j = 0;
     int64_t s0, s1;
     char *y = NULL;
     while (!kw__lin_segment(g, j, n, n + 16, &s0, &s1, &y)) j++;
     float bias[16];
     kw_v v[16];
-    for (int r = 0; r < 16; r++) bias[r] = kw__lin_bias(g, n + r), v[r] = kw_v_loadu(sums[r]);
+    for (int r = 0; r < 16; r++) bias[r] = kw__lin_bias(g, n + r), v[r] = kw_v_loadu(sums + r * 16);
     kw_v_transpose(v);
     const kw_v bv = kw_v_loadu(bias);
     for (int64_t mi = 0; mi < KW__MIN(16, g->M - mb * 16); mi++)
         kw_v_st(y, (mb * 16 + mi) * g->out[j].ys, g->yt, kw_v_add(v[mi], bv));
 }
 
-static void rows_wide(const kw__lin *g, int64_t n0, int64_t n1, const char *packed) {
-    const int64_t blocks = (g->M + 15) / 16;
-    float sums[16][16];
+static void rows_wide(const kw__lin *g, int64_t n0, int64_t n1, const char *packed, float *sums) {
+    const int64_t blocks = (g->M + 15) / 16, steps = steps_per_block(g), nkb = g->K / g->kblk;
     for (int64_t n = n0; n < n1; n += 32) {
         const int two = n + 16 < n1;
-        for (int64_t mb = 0; mb < blocks; mb += 2) {
-            const int pair = mb + 1 < blocks;
-            if (two && pair) quad(g, packed, n, mb, 1, 1);
-            else if (two) quad(g, packed, n, mb, 1, 0);
-            else if (pair) quad(g, packed, n, mb, 0, 1);
-            else quad(g, packed, n, mb, 0, 0);
-            STORE(W_C00, sums, 64);
-            store_sums(g, sums, n, mb);
-            if (pair) {
-                STORE(W_C01, sums, 64);
-                store_sums(g, sums, n, mb + 1);
+        for (int64_t kb = 0; kb < nkb; kb++)
+            for (int64_t s0 = 0; s0 < steps; s0 += CHUNK_STEPS) {
+                const int64_t s1 = KW__MIN(steps, s0 + CHUNK_STEPS);
+                const int first = kb == 0 && s0 == 0;
+                for (int64_t mb = 0; mb < blocks; mb += 2) {
+                    float *tiles = sums + mb / 2 * 1024;
+                    if (mb + 1 < blocks && two) quad(g, packed, n, mb, kb, s0, s1, tiles, first, 1, 1);
+                    else if (two) quad(g, packed, n, mb, kb, s0, s1, tiles, first, 1, 0);
+                    else if (mb + 1 < blocks) quad(g, packed, n, mb, kb, s0, s1, tiles, first, 0, 1);
+                    else quad(g, packed, n, mb, kb, s0, s1, tiles, first, 0, 0);
+                }
             }
-            if (two) {
-                STORE(W_C10, sums, 64);
-                store_sums(g, sums, n + 16, mb);
-            }
-            if (two && pair) {
-                STORE(W_C11, sums, 64);
-                store_sums(g, sums, n + 16, mb + 1);
-            }
+        for (int64_t mb = 0; mb < blocks; mb++) {
+            const float *tiles = sums + mb / 2 * 1024 + mb % 2 * 256;
+            store_sums(g, tiles, n, mb);
+            if (two) store_sums(g, tiles + 512, n + 16, mb);
         }
     }
 }
 
 void kw__linear_rows_amx(const kw__lin *g, int64_t n0, int64_t n1, void *work) {
     if (kw__lin_amx_wide(g)) {
-        rows_wide(g, n0, n1, work);
+        rows_wide(g, n0, n1, work, (float *)((char *)work + kw__lin_acts_bytes(g)));
         return;
     }
     const int64_t part = g->M % 16, full = g->M / 16;
@@ -292,7 +308,7 @@ void kw__linear_rows_amx(const kw__lin *g, int64_t n0, int64_t n1, void *work) {
             group_block(g, work, n, mb, is_part);
             if (is_part) STORE(T_C_PART, sums, 64);
             else STORE(T_C, sums, 64);
-            store_sums(g, sums, n, mb);
+            store_sums(g, &sums[0][0], n, mb);
         }
 }
 
