@@ -207,12 +207,12 @@ def bytes_per_step(model, backend, avg_len):
         return w.numel() * (2 if kwker_packs and (w.dtype == torch.bfloat16 or is_bf16_valued(w)) else w.element_size())
 
     weights = sum(read_bytes(p) for name, p in model.named_parameters() if p.dim() == 2 and "embed_tokens" not in name)
-    # A mixture of experts' [experts, ...] weights, read as stored: one token reads its top-k experts' share.
+    # A mixture of experts' [experts, ...] weights (kwker's bf16 copy where bf16-valued, like a linear's):
+    # one token reads its top-k experts' share.
     c = model.config
     experts = getattr(c, "num_local_experts", None) or getattr(c, "num_experts", None)
     if experts:
-        weights += sum(p.numel() * p.element_size() for p in model.parameters() if p.dim() == 3) \
-            * c.num_experts_per_tok // experts
+        weights += sum(read_bytes(p) for p in model.parameters() if p.dim() == 3) * c.num_experts_per_tok // experts
     if model.get_output_embeddings().weight is model.get_input_embeddings().weight:
         weights += read_bytes(model.get_output_embeddings().weight)
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
