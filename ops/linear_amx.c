@@ -127,8 +127,8 @@ static void lay_out_block(const kw__lin *g, char *work, int64_t mb, int64_t kb, 
         kw_v v[16];
         for (int64_t mi = 0; mi < 16; mi++) {
             const int64_t m = mb * 16 + mi;
-            v[mi] = m < g->M ? _mm512_castsi512_ps(row_pairs(g, g->x + (size_t)(m * g->xs + kb * g->kblk + s * 32) * xsz, p))
-                             : kw_v_zero();
+            const char *xrow = g->x + (size_t)(m * g->xs + kb * g->kblk + s * 32) * xsz;
+            v[mi] = m < g->M ? _mm512_castsi512_ps(row_pairs(g, xrow, p)) : kw_v_zero();
         }
         kw_v_transpose(v);
         char *tile = work + packed_offset(g, p, mb, kb, s, 16);
@@ -136,14 +136,15 @@ static void lay_out_block(const kw__lin *g, char *work, int64_t mb, int64_t kb, 
     }
 }
 
-/* The same for `width` rows of x and a step of n along K, element by element:
- * the last block of a narrow call, and the short step at the end of a block of K. */
+/* The same for `width` rows of x, element by element: the last block of a
+ * narrow call, and the short step that ends a block of K. */
 static void lay_out_rows(const kw__lin *g, char *work, int64_t mb, int64_t width, int64_t kb, int64_t s) {
     const int64_t k0 = kb * g->kblk + s * 32, n = KW__MIN(32, g->kblk - s * 32);
     for (int64_t mi = 0; mi < width; mi++) {
         const int64_t m = mb * 16 + mi;
         uint16_t *step[3]; /* row m's first pair in this step's B tiles, per part */
-        for (int p = 0; p < g->amx_parts; p++) step[p] = (uint16_t *)(work + packed_offset(g, p, mb, kb, s, width)) + mi * 2;
+        for (int p = 0; p < g->amx_parts; p++)
+            step[p] = (uint16_t *)(work + packed_offset(g, p, mb, kb, s, width)) + mi * 2;
         for (int64_t kk = 0; kk < n; kk++) {
             const int64_t at = (kk / 2) * width * 2 + kk % 2;
             if (g->xt == KW_BF16) {
