@@ -59,6 +59,9 @@ class _Lowering:
         self.views: dict[tuple, int] = {}
         self.folded: dict[Node, torch.Tensor] = {}  # nodes evaluated at compile time
         self.constant_storages: set[int] = set()
+        # storages an in-place op writes (its result is the written tensor, the same storage)
+        self.written_storages = {storage_key(t) for n in gm.graph.nodes if n.op == "call_function" and _is_inplace_op(n)
+                                 for t in _tensor_vals(n)}
         self.done: set[Node] = set()  # nodes another node's lowering has carried out
         self.order = {n: i for i, n in enumerate(gm.graph.nodes)}
         self.report = LoweringReport()
@@ -88,9 +91,29 @@ class _Lowering:
         """tensor may have another layout than node's fake value (a K-blocked
         weight copy); only weight_view makes views of those."""
         tensor = tensor.detach()
+        if storage_key(val(node)) in self.written_storages:
+            return self.declare_written_constant(node, tensor)
         self.buffers[storage_key(val(node))] = (self.b.constant(tensor, node.name), tensor.storage_offset())
         self.constant_storages.add(storage_key(val(node)))
         self.folded[node] = tensor
+
+    def declare_written_constant(self, node: Node, tensor: torch.Tensor):
+        """A constant the graph then writes in place: the keys and values of a
+        new StaticCache, whose layers a model's forward creates on its first call
+        (torch.zeros, folded when traced; generate() creates them before), which
+        the graph returns. Eager makes a new tensor each call, so every call
+        copies the value into a buffer of its own (a fresh output where the graph
+        returns it), and nothing is folded over it."""
+        t = val(node)
+        if storage_key(t) in self.buffers:
+            return  # another node of the same storage: it is copied once, at the first
+        self.new_storage(t, node.name)
+        value = self.b.constant(tensor.contiguous(), f"{node.name}.value")
+        source = self.b.view(value, tensor.dtype, tuple(tensor.shape), None, 0)
+        try:
+            self.op(node, "convert", [self.view(t), source])
+        except _Rejected as e:
+            raise NotLowerable(f"{node.name}: a constant written in place cannot be copied per call ({e})") from e
 
     def new_storage(self, t: torch.Tensor, name: str):
         """A buffer for storage an op creates: a fresh output if the graph returns it."""
@@ -244,6 +267,8 @@ class _Lowering:
         literal), evaluated ahead of its turn where a lowering needs it then."""
         if node in self.folded:
             return self.folded[node]
+        if any(storage_key(t) in self.written_storages for t in _tensor_vals(node)):
+            return None  # written in place later: its value is not the one it was made with
         if node.op == "get_attr" and node.target not in self.copies:
             return getattr(self.gm, node.target)
         if node.op != "call_function" or node.target is operator.getitem:

@@ -291,30 +291,36 @@ def test_a_batch_past_onednns_crossover_runs_its_linears_there_with_eagers_token
 
 class _ScratchWrite(torch.nn.Module):
     """x plus a scratch tensor with a one written at pos, the scratch made from x
-    (an intermediate) or from nothing (a constant once traced)."""
+    (an intermediate) or from nothing (a constant once traced, as a static cache
+    transformers creates inside the step's first call); returned too if asked."""
 
-    def __init__(self, from_input: bool):
+    def __init__(self, from_input: bool, returned: bool = False):
         super().__init__()
-        self.from_input = from_input
+        self.from_input, self.returned = from_input, returned
 
     def forward(self, x, pos):
         scratch = torch.zeros_like(x) if self.from_input else torch.zeros(x.shape[0])
         scratch.index_fill_(0, pos, 1.0)
-        return x + scratch
+        return (x + scratch, scratch) if self.returned else x + scratch
 
 
-def test_an_intermediate_written_in_place_is_made_again_by_every_replay_and_a_constant_is_never_written():
+@pytest.mark.parametrize("from_input, returned", [(True, False), (False, False), (False, True)])
+def test_a_tensor_written_in_place_is_made_again_by_every_replay_computed_or_constant(from_input, returned):
     from kwker.aten_graph import trace_to_aten
     from kwker.lower import lower_to_plan
 
-    x, pos = torch.arange(8.0), torch.tensor([2])
-    plan, report = lower_to_plan(trace_to_aten(_ScratchWrite(True), [x, pos]), [x, pos], [])
+    module, x = _ScratchWrite(from_input, returned), torch.arange(8.0)
+    plan, report = lower_to_plan(trace_to_aten(module, [x, torch.tensor([2])]), [x, torch.tensor([2])], [])
     assert "aten.index_fill_.int_Scalar" in report.fallback_ops
+    kept = []
     for p in (2, 5, 2):  # a stale scratch would keep the earlier calls' ones
-        (out,) = plan(x, torch.tensor([p]))
-        assert torch.equal(out, _ScratchWrite(True)(x, torch.tensor([p])))
-    with pytest.raises(_C.PlanError, match="writes constant"):
-        lower_to_plan(trace_to_aten(_ScratchWrite(False), [x, pos]), [x, pos], [])
+        out = plan(x, torch.tensor([p]))
+        want = module(x, torch.tensor([p]))
+        for got, expected in zip(out, want if returned else (want,)):
+            assert torch.equal(got, expected)
+        kept.append(out)
+    if returned:  # each call's scratch is its own, as eager's: an earlier one is left as it was
+        assert [int(k[1].argmax()) for k in kept] == [2, 5, 2]
 
 
 class _TransposedNorm(torch.nn.Module):
