@@ -316,7 +316,9 @@ def test_a_tensor_written_in_place_is_made_again_by_every_replay_computed_or_con
     for p in (2, 5, 2):  # a stale scratch would keep the earlier calls' ones
         out = plan(x, torch.tensor([p]))
         want = module(x, torch.tensor([p]))
-        for got, expected in zip(out, want if returned else (want,)):
+        wants = want if returned else (want,)
+        assert len(out) == len(wants)
+        for got, expected in zip(out, wants):
             assert torch.equal(got, expected)
         kept.append(out)
     if returned:  # each call's scratch is its own, as eager's: an earlier one is left as it was
