@@ -9,7 +9,7 @@ import torch
 import kwker
 import kwker.tune
 from kwker import summary
-from kwker.freeze import FrozenGraph, cannot_win
+from kwker.freeze import FrozenGraph, _fold_batch_norms, _model_tensor, _with_constants, cannot_win
 
 pytestmark = pytest.mark.usefixtures("fresh_compile_state")
 
@@ -76,6 +76,53 @@ def test_a_frozen_graph_follows_every_change_of_the_models_tensors(edit):
         torch.testing.assert_close(compiled(x), after, rtol=1e-4, atol=1e-5)
         assert frozen.live is None
         torch.testing.assert_close(compiled(x), after, rtol=1e-4, atol=1e-5)
+
+
+class Foldable(torch.nn.Module):
+    """Batch norms after convolutions with and without a bias, one without
+    affine parameters, one after a 1-d convolution; and two that must stay: one
+    whose convolution's output is used twice, one after a pooling."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv_a, self.bn_a = torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8)
+        self.conv_b, self.bn_b = torch.nn.Conv2d(8, 8, 1, bias=False), torch.nn.BatchNorm2d(8, affine=False)
+        self.conv_c, self.bn_c = torch.nn.Conv2d(8, 8, 1), torch.nn.BatchNorm2d(8)
+        self.bn_d = torch.nn.BatchNorm2d(8)
+        self.conv_e, self.bn_e = torch.nn.Conv1d(8, 4, 3), torch.nn.BatchNorm1d(4)
+        with torch.no_grad():
+            for m in self.modules():
+                if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):
+                    m.running_mean.uniform_(-1, 1)
+                    m.running_var.uniform_(0.5, 2)
+                    if m.affine:
+                        m.weight.uniform_(0.5, 2)
+                        m.bias.uniform_(-1, 1)
+
+    def forward(self, x):
+        x = self.bn_b(self.conv_b(torch.relu(self.bn_a(self.conv_a(x)))))
+        c = self.conv_c(x)
+        x = self.bn_c(c) + c
+        x = self.bn_d(torch.nn.functional.max_pool2d(x, 2))
+        return self.bn_e(self.conv_e(x.flatten(2)))
+
+
+def test_batch_norms_after_convolutions_are_folded_into_them_before_inductor_freezes():
+    batch_norms = []
+
+    def fold_and_compare(gm, example_inputs):
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        frozen = {n: x for n, x in zip(placeholders, example_inputs) if _model_tensor(n, x)}
+        graph = _with_constants(gm, frozen)
+        _fold_batch_norms(graph)
+        batch_norms.extend(n for n in graph.graph.nodes if n.target is torch.nn.functional.batch_norm)
+        kept = [x for n, x in zip(placeholders, example_inputs) if n not in frozen]
+        torch.testing.assert_close(graph(*kept), gm(*example_inputs), rtol=1e-5, atol=1e-5)
+        return gm
+
+    with torch.no_grad():
+        torch.compile(Foldable().eval(), backend=fold_and_compare)(torch.randn(2, 3, 8, 8))
+    assert [n.args[0].target for n in batch_norms] == [torch.conv2d, torch.nn.functional.max_pool2d]
 
 
 def test_a_second_model_of_the_same_class_is_not_read_through_the_first_ones_constants():
