@@ -55,7 +55,7 @@ def test_the_fastest_candidate_is_kept_and_the_reference_within_the_margin():
     assert almost.name == "ref", almost.ms
 
 
-def test_two_rounds_when_they_separate_the_fastest_else_three_at_least(monkeypatch):
+def test_two_rounds_when_they_separate_the_fastest_one_when_none_beats_the_reference_else_three(monkeypatch):
     x = torch.ones(3)
     runs = {"ref": 0, "fast": 0, "close": 0}
 
@@ -72,6 +72,9 @@ def test_two_rounds_when_they_separate_the_fastest_else_three_at_least(monkeypat
     runs.update(ref=0, close=0)
     choose({"ref": counted("ref", 0.02), "close": counted("close", 0.03, 0.01)}, [], "ref")
     assert runs["ref"] == runs["close"] == 1 + 3  # timings that overlap: no early stop
+    runs.update(ref=0, close=0)
+    choose({"ref": counted("ref", 0.02), "close": counted("close", 0.021, 0.03)}, [], "ref")
+    assert runs["ref"] == runs["close"] == 1 + 1  # over the budget, and no call under the reference's: one round
 
 
 def test_a_gate_sees_steady_times_and_its_candidate_is_not_built_when_it_says_why():
