@@ -59,9 +59,12 @@ static int attention_prepare(const kw_call *c, kw_isa isa, void *prep, char *msg
     for (int d = 0; d < 3; d++) a->os[d] = o->stride[d], a->qs[d] = q->stride[d];
     for (int d = 0; d < 3; d++) a->ks[d] = k->stride[d], a->vs[d] = v->stride[d];
     a->scale = (float)c->fp[0];
-    a->blocks = a->L > 1 ? (a->L * a->G + KW__ATTN_ROWS - 1) / KW__ATTN_ROWS : 0;
+    a->amx = a->L > 1 && isa >= KW_ISA_AMX && kw__attn_amx_fits(a) && a->L * a->G >= KW__ATTN_ROWS_AMX;
+    a->rows = a->amx ? KW__ATTN_ROWS_AMX : KW__ATTN_ROWS;
+    a->blocks = a->L > 1 ? (a->L * a->G + a->rows - 1) / a->rows : 0;
     a->units = a->blocks ? a->B * a->Hkv * a->blocks : a->B * a->L * a->Hq;
-    a->run = a->blocks ? KW__PICK(kw__attention_blocks, isa) : KW__PICK(kw__attention_heads, isa);
+    a->run = a->amx ? kw__attention_blocks_amx
+             : a->blocks ? KW__PICK(kw__attention_blocks, isa) : KW__PICK(kw__attention_heads, isa);
     return 0;
 }
 
@@ -144,7 +147,7 @@ void kw__attention_blocks_scalar(const kw__attn *a, int64_t u0, int64_t u1, void
     for (int64_t u = u0; u < u1; u++) {
         int64_t b, kh, r0;
         kw__attn_block_of(a, u, &b, &kh, &r0);
-        for (int64_t r = r0; r < KW__MIN(r0 + KW__ATTN_ROWS, a->L * a->G); r++) {
+        for (int64_t r = r0; r < KW__MIN(r0 + a->rows, a->L * a->G); r++) {
             const int64_t hu = (b * a->L + r / a->G) * a->Hq + kh * a->G + r % a->G;
             kw__attention_heads_scalar(a, hu, hu + 1, work);
         }

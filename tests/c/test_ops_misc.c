@@ -376,6 +376,31 @@ Test(attention, every_variant_matches_the_reference) {
     }
 }
 
+/* Steps of prefill size with a bf16 query and cache, which run on AMX tiles
+ * where the CPU has them (attention_amx.c: blocks of 16 rows): spans of several
+ * panels of positions, query heads sharing a cache head (SmolLM2's 3), head
+ * sizes whose Dv takes one group of four sum tiles, two, or a group and a part,
+ * a cache of more positions than are valid, and rows the mask drops whole. */
+Test(attention, prefill_sized_bf16_steps_match_the_reference) {
+    tt_rng r = {53};
+    static const int64_t shapes[][5] = {
+        /* L, G, D, Dv, S */
+        {128, 3, 64, 64, 300}, {33, 1, 128, 128, 130}, {16, 4, 64, 80, 64}, {40, 2, 256, 48, 200}, {6, 8, 32, 16, 45},
+    };
+    for (int trial = 0; trial < 10; trial++) {
+        const int64_t *sh = shapes[trial % 5], L = sh[0], G = sh[1], D = sh[2], Dv = sh[3], S = sh[4];
+        const enum mask_kind mk = (enum mask_kind)(trial % MASK_KINDS);
+        tt_case k = {0};
+        attention_case(&k, KW_BF16, KW_BF16, tt_int(&r, 1, 2), L, tt_int(&r, 1, 2), G, S, D, Dv, mk, 1, trial == 9, 1,
+                       &r);
+        if (mk != MASK_NONE && trial < 5) /* row L - 2 of the first batch keeps no position */
+            for (int64_t s = 0; s < S; s++)
+                tt_set(&k.c.t[4], (int64_t[]){0, 0, L - 2, s}, mk == MASK_BOOL ? 0 : -INFINITY);
+        tt_check_variants(KW_OP_ATTENTION, &k, (tt_tol){8e-3, 0x1p-7}, "a bf16 step of prefill size");
+        tt_free(&k);
+    }
+}
+
 /* A row the mask drops whole is SDPA's: zeros where nothing is left (bool, or
  * -inf everywhere), else the softmax over the finite positions, where
  * dot · scale + mask rounds to the mask: the mean of V over the positions that
