@@ -189,6 +189,40 @@ def test_run_op_checks_its_arguments():
         _C.run_op("grouped_linear", [torch.empty(10, 24), _rand(10, 32), _rand(3, 24, 32), torch.tensor([3, 12, 9])])
 
 
+@pytest.mark.parametrize("dtype", [F32, torch.bfloat16])
+def test_causal_attention_without_a_mask_is_rewritten_with_sdpas_top_left_mask(dtype):
+    """SDPA's is_causal (HF's first chunk of a prefill, a whole sequence) keeps
+    key j for query i where j <= i, also with more keys than queries; the
+    rewrite gives kwker.attention that mask, run eagerly and folded by a plan
+    (here one of the tuned candidates, checked against eager's outputs)."""
+    import torch.nn.functional as F
+
+    from kwker import summary
+
+    def repeat_kv(x, n):  # HF's
+        b, h, s, d = x.shape
+        return x[:, :, None].expand(b, h, n, s, d).reshape(b, h * n, s, d)
+
+    def causal(q, k, v):
+        return F.scaled_dot_product_attention(q, repeat_kv(k, 3), repeat_kv(v, 3), is_causal=True).transpose(1, 2)
+
+    q = _rand(2, 6, 20, 32, dtype=dtype)
+    for keys in (20, 48):
+        k, v = _rand(2, 2, keys, 32, dtype=dtype, seed=1), _rand(2, 2, keys, 32, dtype=dtype, seed=2)
+        want = causal(q, k, v)
+        for options in ({"inner": "eager"}, {}):
+            torch._dynamo.reset()
+            summary.clear()
+            with torch.no_grad():
+                got = torch.compile(causal, backend="kwker", options=options)(q, k, v)
+            graph = summary.graphs()[-1]
+            torch.testing.assert_close(got, want, **({} if dtype == F32 else {"atol": 1e-2, "rtol": 1e-2}))
+            if options:
+                assert graph.rewrites.get("attention") == 1, summary.format_report()
+            else:
+                assert "plan" in graph.candidates and "plan" not in graph.left_out, summary.format_report()
+
+
 def test_a_nan_in_an_attention_mask_makes_its_row_nan_as_in_sdpa():
     mask = torch.zeros(1, 1, 3, 8)
     mask[0, 0, 1, 3] = float("nan")

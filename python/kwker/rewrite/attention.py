@@ -3,7 +3,10 @@ repeat_kv (causality, for several positions, is in the mask).
 
 HF's sdpa path expands each cache to all query heads (repeat_kv: unsqueeze,
 expand, clone, view) and passes an additive mask made from the bool mask by
-where(mask, 0, -inf). kwker's op reads the caches as they are."""
+where(mask, 0, -inf), or no mask and is_causal where the mask would be plain
+causal (the first chunk of a prefill, a whole sequence): SDPA's is_causal keeps
+key j for query i where j <= i (torch.ones(L, S).tril()), which becomes a bool
+mask the plan folds into a constant. kwker's op reads the caches as they are."""
 
 import math
 import operator
@@ -24,7 +27,7 @@ def _fuse_one(graph, sdpa) -> int:
     q, k, v = sdpa.args[:3]
     dropout = sdpa.args[3] if len(sdpa.args) > 3 else sdpa.kwargs.get("dropout_p", 0.0)
     causal = sdpa.args[4] if len(sdpa.args) > 4 else sdpa.kwargs.get("is_causal", False)
-    if dropout != 0.0 or causal or val(q).dim() != 4:
+    if dropout != 0.0 or val(q).dim() != 4 or (causal and sdpa.kwargs.get("attn_mask") is not None):
         return 0
     k_cache, v_cache = _unrepeat(k), _unrepeat(v)
     hq, hkv = val(q).shape[1], val(k_cache).shape[1]
@@ -35,9 +38,10 @@ def _fuse_one(graph, sdpa) -> int:
         return 0  # the graph after it reads SDPA's output in a layout the op does not give
     scale = sdpa.kwargs.get("scale")
     scale = 1.0 / math.sqrt(val(q).shape[-1]) if scale is None else scale
-    mask = _bool_mask(sdpa.kwargs.get("attn_mask"))
     out = outs[0]
     with graph.inserting_before(out):
+        mask = _causal_mask(graph, val(q).shape[2], val(k_cache).shape[2], val(q)) if causal else \
+            _bool_mask(sdpa.kwargs.get("attn_mask"))
         new = graph.call_function(ops.attention.default, (q, k_cache, v_cache, mask, float(scale)))
     new.meta["val"] = val(out)
     out.replace_all_uses_with(new)
@@ -69,6 +73,17 @@ def _unrepeat(node):
             if unsq.args[1] == 2:
                 return unsq.args[0]
     return node
+
+
+def _causal_mask(graph, L: int, S: int, like: torch.Tensor):
+    """SDPA's is_causal as a bool mask [1, 1, L, S]: ones(L, S).tril(), from no input."""
+    ones = graph.call_function(aten.ones.default, ([L, S],), {"dtype": torch.bool, "device": like.device})
+    ones.meta["val"] = like.new_ones((L, S), dtype=torch.bool)
+    tril = graph.call_function(aten.tril.default, (ones,))
+    tril.meta["val"] = val(ones).tril()
+    mask = graph.call_function(aten.view.default, (tril, [1, 1, L, S]))
+    mask.meta["val"] = val(tril).view(1, 1, L, S)
+    return mask
 
 
 def _bool_mask(mask):
