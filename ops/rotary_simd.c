@@ -14,20 +14,34 @@ static inline void st(void *p, int64_t i, int64_t n, kw_dtype dt, kw_v v) {
         kw_v_stn(p, i, n, dt, v);
 }
 
-/* rotate_half: lanes i of both halves at once, so the update can be in place. */
-static void rows_half(const kw__rope *p, int64_t yo, int64_t xo, int64_t co, int64_t so) {
+/* rotate_half: lanes i of both halves at once, so the update can be in place.
+ * The dtypes are constants where the caller has one dtype for all four: a
+ * branch on them at every load took a SmolLM2-sized prefill chunk's rotary
+ * (15 heads of 64 over 1024 positions, bf16) to 36.7 ns a row. */
+static inline __attribute__((always_inline)) void rows_half_as(const kw__rope *p, int64_t yo, int64_t xo, int64_t co,
+                                                               int64_t so, const kw_dtype xt, const kw_dtype ct,
+                                                               const kw_dtype st_, const kw_dtype t) {
     const int64_t h = p->R / 2;
-    const kw_dtype t = p->yt;
     for (int64_t i = 0; i < h; i += KW_VW) {
         const int64_t n = KW__MIN(KW_VW, h - i);
-        const kw_v a = ld(p->x, xo + i, n, p->xt), b = ld(p->x, xo + i + h, n, p->xt);
-        const kw_v ya = kw_v_sub(kw_v_round_to(kw_v_mul(a, ld(p->cos, co + i, n, p->ct)), t),
-                                 kw_v_round_to(kw_v_mul(b, ld(p->sin, so + i, n, p->st)), t));
-        const kw_v yb = kw_v_add(kw_v_round_to(kw_v_mul(b, ld(p->cos, co + i + h, n, p->ct)), t),
-                                 kw_v_round_to(kw_v_mul(a, ld(p->sin, so + i + h, n, p->st)), t));
+        const kw_v a = ld(p->x, xo + i, n, xt), b = ld(p->x, xo + i + h, n, xt);
+        const kw_v ya = kw_v_sub(kw_v_round_to(kw_v_mul(a, ld(p->cos, co + i, n, ct)), t),
+                                 kw_v_round_to(kw_v_mul(b, ld(p->sin, so + i, n, st_)), t));
+        const kw_v yb = kw_v_add(kw_v_round_to(kw_v_mul(b, ld(p->cos, co + i + h, n, ct)), t),
+                                 kw_v_round_to(kw_v_mul(a, ld(p->sin, so + i + h, n, st_)), t));
         st(p->y, yo + i, n, t, ya);
         st(p->y, yo + i + h, n, t, yb);
     }
+}
+
+static void rows_half(const kw__rope *p, int64_t yo, int64_t xo, int64_t co, int64_t so) {
+    const int same = p->xt == p->yt && p->ct == p->yt && p->st == p->yt;
+    if (same && p->yt == KW_BF16)
+        rows_half_as(p, yo, xo, co, so, KW_BF16, KW_BF16, KW_BF16, KW_BF16);
+    else if (same && p->yt == KW_F32)
+        rows_half_as(p, yo, xo, co, so, KW_F32, KW_F32, KW_F32, KW_F32);
+    else
+        rows_half_as(p, yo, xo, co, so, p->xt, p->ct, p->st, p->yt);
 }
 
 /* interleaved: pairs sit in adjacent lanes; rot(x) is a lane swap with the even
@@ -45,9 +59,15 @@ static void rows_interleaved(const kw__rope *p, int64_t yo, int64_t xo, int64_t 
 }
 
 void KW__ISA_NAME(kw__rotary_rows)(const kw__rope *p, int64_t r0, int64_t r1) {
+    /* row r = (b · H + h) · S + s, counted up rather than divided out per row */
+    int64_t s = r0 % p->S, h = r0 / p->S % p->H, b = r0 / (p->S * p->H);
     for (int64_t r = r0; r < r1; r++) {
-        int64_t yo, xo, co, so;
-        kw__rope_row(p, r, &yo, &xo, &co, &so);
+        const int64_t yo = b * p->ys[0] + h * p->ys[1] + s * p->ys[2], xo = b * p->xs[0] + h * p->xs[1] + s * p->xs[2];
+        const int64_t co = b * p->cs[0] + h * p->cs[1] + s * p->cs[2], so = b * p->ss[0] + h * p->ss[1] + s * p->ss[2];
+        if (++s == p->S) {
+            s = 0;
+            if (++h == p->H) h = 0, b++;
+        }
         if (p->interleaved)
             rows_interleaved(p, yo, xo, co, so);
         else
