@@ -118,11 +118,12 @@ def _fold_batch_norms(gm: torch.fx.GraphModule) -> None:
         if args.get("training", False) is not False or not isinstance(conv, torch.fx.Node) \
                 or conv.op != "call_function" or conv.target not in _CONVOLUTIONS or len(conv.users) != 1:
             continue
-        weight, bias = conv.args[1], conv.args[2] if len(conv.args) > 2 else conv.kwargs.get("bias")
+        weight = conv.args[1] if len(conv.args) > 1 else conv.kwargs.get("weight")
+        bias = conv.args[2] if len(conv.args) > 2 else conv.kwargs.get("bias")
         tensors = [weight, bias, args["running_mean"], args["running_var"], args.get("weight"), args.get("bias")]
         if any(t is not None and t not in attrs for t in tensors) or weight is None or tensors[2] is None \
-                or tensors[3] is None:
-            continue
+                or tensors[3] is None or _dims(conv) != attrs[weight].dim():
+            continue  # not constants, or an unbatched convolution, whose channels are not dim 1
         w, b, mean, var, scale, shift = (attrs[t].detach().double() if t is not None else None for t in tensors)
         factor = torch.rsqrt(var + args.get("eps", 1e-5)) * (scale if scale is not None else 1.0)
         folded_w = (w * factor.reshape([-1] + [1] * (w.dim() - 1))).to(attrs[weight].dtype)
@@ -136,11 +137,18 @@ def _fold_batch_norms(gm: torch.fx.GraphModule) -> None:
                 new.append(gm.graph.get_attr(name))
                 attrs[new[-1]] = value
         conv.args = (conv.args[0], *new, *conv.args[3:])
-        conv.kwargs = {k: v for k, v in conv.kwargs.items() if k != "bias"}
+        conv.kwargs = {k: v for k, v in conv.kwargs.items() if k not in ("weight", "bias")}
         bn.replace_all_uses_with(conv)
         gm.graph.erase_node(bn)
-    gm.graph.eliminate_dead_code()
+        for t in dict.fromkeys(tensors):  # the constants only the fold read (dead-code elimination would drop in-place ops)
+            if t is not None and not t.users:
+                gm.graph.erase_node(t)
     gm.recompile()
+
+
+def _dims(node: torch.fx.Node) -> int | None:
+    value = node.meta.get("example_value", node.meta.get("val"))
+    return value.dim() if isinstance(value, torch.Tensor) else None
 
 
 def worth_freezing(aten_gm: torch.fx.GraphModule) -> bool:

@@ -80,8 +80,10 @@ def test_a_frozen_graph_follows_every_change_of_the_models_tensors(edit):
 
 class Foldable(torch.nn.Module):
     """Batch norms after convolutions with and without a bias, one without
-    affine parameters, one after a 1-d convolution; and two that must stay: one
-    whose convolution's output is used twice, one after a pooling."""
+    affine parameters, one after a 1-d convolution, one after a convolution given
+    its weight by keyword, and an in-place op on a folded output; and three
+    that must stay: one whose convolution's output is used twice, one after a
+    pooling, one after an unbatched convolution (its channels are dim 0)."""
 
     def __init__(self):
         super().__init__()
@@ -90,6 +92,8 @@ class Foldable(torch.nn.Module):
         self.conv_c, self.bn_c = torch.nn.Conv2d(8, 8, 1), torch.nn.BatchNorm2d(8)
         self.bn_d = torch.nn.BatchNorm2d(8)
         self.conv_e, self.bn_e = torch.nn.Conv1d(8, 4, 3), torch.nn.BatchNorm1d(4)
+        self.w_f, self.bn_f = torch.nn.Parameter(torch.randn(4, 3, 1, 1)), torch.nn.BatchNorm2d(4)
+        self.w_u, self.bn_u = torch.nn.Parameter(torch.randn(4, 3, 1)), torch.nn.BatchNorm1d(4)
         with torch.no_grad():
             for m in self.modules():
                 if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):
@@ -99,12 +103,15 @@ class Foldable(torch.nn.Module):
                         m.weight.uniform_(0.5, 2)
                         m.bias.uniform_(-1, 1)
 
-    def forward(self, x):
+    def forward(self, x, v):
+        f = self.bn_f(torch.nn.functional.conv2d(x, weight=self.w_f))
         x = self.bn_b(self.conv_b(torch.relu(self.bn_a(self.conv_a(x)))))
         c = self.conv_c(x)
         x = self.bn_c(c) + c
         x = self.bn_d(torch.nn.functional.max_pool2d(x, 2))
-        return self.bn_e(self.conv_e(x.flatten(2)))
+        e = self.bn_e(self.conv_e(x.flatten(2)))
+        e.relu_()
+        return e, f, self.bn_u(torch.nn.functional.conv1d(v, self.w_u))
 
 
 def test_batch_norms_after_convolutions_are_folded_into_them_before_inductor_freezes():
@@ -120,9 +127,9 @@ def test_batch_norms_after_convolutions_are_folded_into_them_before_inductor_fre
         torch.testing.assert_close(graph(*kept), gm(*example_inputs), rtol=1e-5, atol=1e-5)
         return gm
 
-    with torch.no_grad():
-        torch.compile(Foldable().eval(), backend=fold_and_compare)(torch.randn(2, 3, 8, 8))
-    assert [n.args[0].target for n in batch_norms] == [torch.conv2d, torch.nn.functional.max_pool2d]
+    with torch.no_grad():  # v: 3 channels of length 4, whose convolution gives 4 channels of length 4
+        torch.compile(Foldable().eval(), backend=fold_and_compare)(torch.randn(2, 3, 8, 8), torch.randn(3, 4))
+    assert [n.args[0].target for n in batch_norms] == [torch.conv2d, torch.nn.functional.max_pool2d, torch.conv1d]
 
 
 def test_a_second_model_of_the_same_class_is_not_read_through_the_first_ones_constants():
