@@ -15,9 +15,8 @@ static inline void st(void *p, int64_t i, int64_t n, kw_dtype dt, kw_v v) {
 }
 
 /* rotate_half: lanes i of both halves at once, so the update can be in place.
- * The dtypes are constants where the caller has one dtype for all four: a
- * branch on them at every load took a SmolLM2-sized prefill chunk's rotary
- * (15 heads of 64 over 1024 positions, bf16) to 36.7 ns a row. */
+ * The dtypes are constants where all four are one (rows_half), so that the
+ * loads and stores do not branch on them. */
 static inline __attribute__((always_inline)) void rows_half_as(const kw__rope *p, int64_t yo, int64_t xo, int64_t co,
                                                                int64_t so, const kw_dtype xt, const kw_dtype ct,
                                                                const kw_dtype st_, const kw_dtype t) {

@@ -140,7 +140,8 @@ def _fold_batch_norms(gm: torch.fx.GraphModule) -> None:
         conv.kwargs = {k: v for k, v in conv.kwargs.items() if k not in ("weight", "bias")}
         bn.replace_all_uses_with(conv)
         gm.graph.erase_node(bn)
-        for t in dict.fromkeys(tensors):  # the constants only the fold read (dead-code elimination would drop in-place ops)
+        # The constants only the fold read (not dead-code elimination: it drops in-place ops).
+        for t in dict.fromkeys(tensors):
             if t is not None and not t.users:
                 gm.graph.erase_node(t)
     gm.recompile()

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import kwker
+import kwker.freeze
 import kwker.tune
 from kwker import summary
 from kwker.freeze import FrozenGraph, _fold_batch_norms, _model_tensor, _with_constants, cannot_win
@@ -150,6 +151,9 @@ def test_a_conv_bn_graph_is_tuned_with_a_frozen_candidate_that_stays_correct(mon
         return {name: (0.0 if name == "frozen" else t) for name, t in ms.items()}
 
     monkeypatch.setattr(kwker.tune, "_median_ms", frozen_fastest)
+    # The gate reads one call of each candidate: a slow one of Inductor's (19 ms
+    # against 0.3 once in CI) would leave the frozen candidate out.
+    monkeypatch.setattr(kwker.freeze, "MAX_GAIN_OVER_INDUCTOR", float("inf"))
     model, other, x = ConvBN().eval(), ConvBN().eval(), torch.randn(1, 3, 16, 16)
     with torch.no_grad():
         compiled = torch.compile(model, backend="kwker")
@@ -181,6 +185,7 @@ def test_a_frozen_candidate_not_kept_leaves_the_models_tensors_unwatched(monkeyp
     from test_tune import writable
 
     monkeypatch.setattr(kwker.tune, "MARGIN", 0.0)  # the reference, Inductor, is kept whatever the times
+    monkeypatch.setattr(kwker.freeze, "MAX_GAIN_OVER_INDUCTOR", float("inf"))  # and the frozen one always built
     model = torch.nn.Sequential(torch.nn.Conv2d(64, 64, 3), torch.nn.BatchNorm2d(64)).eval()  # 147 KiB of weight
     with torch.no_grad():
         torch.compile(model, backend="kwker")(torch.randn(1, 64, 8, 8))
