@@ -26,7 +26,7 @@
  * steps of 32 (kw__lin_amx_wide), the tiles are wide instead: two groups against
  * two blocks of x (the last block padded with zero rows) in four C tiles, so that
  * each tile loaded serves two products, over chunks of K whose A tiles stay in
- * L1 (CHUNK_STEPS); Llama-3.2-1B's MLP at 128 rows of bf16 x took 9.5-10.2 ms
+ * L1 (chunk_steps); Llama-3.2-1B's MLP at 128 rows of bf16 x took 9.5-10.2 ms
  * on a 2-vCPU Xeon against 18.7-19.5 block after block (bench/ops.py). The 16 ×
  * 16 sums are transposed in registers, biased and rounded to y's dtype a row of
  * x at a time. Sums are f32; the tile unit treats
@@ -208,10 +208,16 @@ static inline __attribute__((always_inline)) void group_block(const kw__lin *g, 
     }
 }
 
-/* Wide calls take K in chunks of this many steps: the two groups' A tiles for a
- * chunk (2 × 16 weight rows × 256 bf16, 16 KiB) stay in L1 while every pair of
- * blocks of x runs over them, so that only the B tiles come from L2. */
-#define CHUNK_STEPS 8
+/* Wide calls take K in chunks of steps: with bf16 x, 8 steps, so that the two
+ * groups' A tiles for a chunk (2 × 16 weight rows × 256 bf16, 16 KiB) stay in L1
+ * while every pair of blocks of x runs over them and only the B tiles come from
+ * L2; with f32 x, whose three parts give each A tile three times the products,
+ * 32 steps, so that the sums go to the thread's scratch and back a quarter as
+ * often. Llama-3.2-1B's MLP at 128 rows (ops_bench --linear, 2-vCPU Xeon, two runs
+ * each of 4, 8, 16 and 32 steps alternated): bf16 x 7.9-8.5 ms at 8 steps,
+ * 7.9-8.5 at 4, 8.6-8.8 at 32, 8.9-9.2 at 16; f32 x 22.1-22.2 at 32 against
+ * 26.0-26.2 at 8. */
+static int64_t chunk_steps(const kw__lin *g) { return g->amx_parts == 1 ? 8 : 32; }
 
 /* Wide: weight groups n (and n + 16 when `two`) against blocks mb (and mb + 1
  * when `pair`) of x over steps [s0, s1) of K block kb, adding to the four sums
@@ -276,8 +282,8 @@ static void rows_wide(const kw__lin *g, int64_t n0, int64_t n1, const char *pack
     for (int64_t n = n0; n < n1; n += 32) {
         const int two = n + 16 < n1;
         for (int64_t kb = 0; kb < nkb; kb++)
-            for (int64_t s0 = 0; s0 < steps; s0 += CHUNK_STEPS) {
-                const int64_t s1 = KW__MIN(steps, s0 + CHUNK_STEPS);
+            for (int64_t s0 = 0; s0 < steps; s0 += chunk_steps(g)) {
+                const int64_t s1 = KW__MIN(steps, s0 + chunk_steps(g));
                 const int first = kb == 0 && s0 == 0;
                 for (int64_t mb = 0; mb < blocks; mb += 2) {
                     float *tiles = sums + mb / 2 * 1024;
