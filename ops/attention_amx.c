@@ -17,8 +17,7 @@
  * the probabilities as bf16 (the A tiles of P·V), then Dv in groups of four
  * tiles of sums. A thread loads the tile configuration on entry and releases
  * the tiles on exit, so its tile state is never live between kernels. */
-#include <immintrin.h>
-
+#include "amx.h"
 #include "attention_simd.h"
 
 #define T_SCORES 0 /* Q·Kᵀ: 16 rows × 16 positions */
@@ -27,18 +26,6 @@
 #define T_P 4      /* P·V: 16 rows × 32 positions; the sums are tiles 0-3 (16 of Dv each) */
 #define T_V 5      /* 16 pairs of positions × 16 of Dv */
 #define ROWS KW__ATTN_ROWS_AMX
-
-typedef struct tile_config {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config;
-
-static void configure_tiles(void) {
-    tile_config cfg = {.palette = 1};
-    for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
-    _tile_loadconfig(&cfg);
-}
 
 /* kt[((j / 16) · D / 2 + d / 2) · 16 + j % 16] = the pair (k[pos[j]][d], k[pos[j]][d + 1])
  * for even d, as one 32-bit word; zero for j in [n, np). */
@@ -191,7 +178,7 @@ static void block(const kw__attn *a, const kw__attn_scratch *w, int64_t b, int64
 void kw__attention_blocks_amx(const kw__attn *a, int64_t u0, int64_t u1, void *work) {
     const kw__attn_scratch w = kw__attn_carve(a, work);
     int64_t cur_b = -1, cur_kh = -1, n = 0;
-    configure_tiles();
+    kw__amx_load_full_tiles();
     for (int64_t u = u0; u < u1; u++) {
         int64_t b, kh, r0;
         kw__attn_block_of(a, u, &b, &kh, &r0);

@@ -34,6 +34,7 @@
  * last part). A thread loads the tile configuration when it lays out x for a
  * call and releases the tiles after its last rows (`done`), so its tile state is
  * never live between kernels. */
+#include "amx.h"
 #include "linear.h"
 #include "simd.h"
 
@@ -62,17 +63,6 @@
 #define STORE(t, p, stride) _tile_stored(t, p, stride)
 #define DOT(c, a, b) _tile_dpbf16ps(c, a, b)
 
-typedef struct tile_config {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config;
-
-static void set_tile(tile_config *t, int tile, int rows, int colsb) {
-    t->rows[tile] = (uint8_t)rows;
-    t->colsb[tile] = (uint16_t)colsb;
-}
-
 /* Steps along one block of K, and the K of the last (32 when there is no shorter one). */
 static int64_t steps_per_block(const kw__lin *g) { return kw__lin_block_padded(g->kblk) / 32; }
 static int tail_k(const kw__lin *g) { return g->kblk % 32 ? (int)(g->kblk % 32) : 32; }
@@ -90,21 +80,20 @@ static size_t packed_offset(const kw__lin *g, int p, int64_t mb, int64_t kb, int
 /* The tiles for this call's rows of x and step of K, on this thread. */
 static void configure_tiles(const kw__lin *g) {
     const int64_t part = g->M % 16, tk = tail_k(g);
-    tile_config cfg = {.palette = 1};
     if (kw__lin_amx_wide(g)) {
-        for (int t = 0; t < 8; t++) set_tile(&cfg, t, 16, 64);
-        _tile_loadconfig(&cfg);
+        kw__amx_load_full_tiles();
         return;
     }
-    set_tile(&cfg, T_C, 16, 64);
-    set_tile(&cfg, T_A, 16, 64);
-    set_tile(&cfg, T_B, 16, 64);
-    set_tile(&cfg, T_A_TAIL, 16, (int)tk * 2);
-    set_tile(&cfg, T_B_TAIL, (int)tk / 2, 64);
+    kw__amx_config cfg = {.palette = 1};
+    kw__amx_set_tile(&cfg, T_C, 16, 64);
+    kw__amx_set_tile(&cfg, T_A, 16, 64);
+    kw__amx_set_tile(&cfg, T_B, 16, 64);
+    kw__amx_set_tile(&cfg, T_A_TAIL, 16, (int)tk * 2);
+    kw__amx_set_tile(&cfg, T_B_TAIL, (int)tk / 2, 64);
     if (part) {
-        set_tile(&cfg, T_C_PART, 16, (int)part * 4);
-        set_tile(&cfg, T_B_PART, 16, (int)part * 4);
-        set_tile(&cfg, T_B_TAIL_PART, (int)tk / 2, (int)part * 4);
+        kw__amx_set_tile(&cfg, T_C_PART, 16, (int)part * 4);
+        kw__amx_set_tile(&cfg, T_B_PART, 16, (int)part * 4);
+        kw__amx_set_tile(&cfg, T_B_TAIL_PART, (int)tk / 2, (int)part * 4);
     }
     _tile_loadconfig(&cfg);
 }
