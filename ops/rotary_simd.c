@@ -61,8 +61,8 @@ void KW__ISA_NAME(kw__rotary_rows)(const kw__rope *p, int64_t r0, int64_t r1) {
     /* row r = (b · H + h) · S + s, counted up rather than divided out per row */
     int64_t s = r0 % p->S, h = r0 / p->S % p->H, b = r0 / (p->S * p->H);
     for (int64_t r = r0; r < r1; r++) {
-        const int64_t yo = b * p->ys[0] + h * p->ys[1] + s * p->ys[2], xo = b * p->xs[0] + h * p->xs[1] + s * p->xs[2];
-        const int64_t co = b * p->cs[0] + h * p->cs[1] + s * p->cs[2], so = b * p->ss[0] + h * p->ss[1] + s * p->ss[2];
+        int64_t yo, xo, co, so;
+        kw__rope_at(p, b, h, s, &yo, &xo, &co, &so);
         if (++s == p->S) {
             s = 0;
             if (++h == p->H) h = 0, b++;
