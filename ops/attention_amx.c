@@ -128,24 +128,18 @@ static inline __attribute__((always_inline)) void pv_group(const kw__attn *a, co
 static void block(const kw__attn *a, const kw__attn_scratch *w, int64_t b, int64_t kh, int64_t r0, int64_t n) {
     const int64_t np = kw__attn_pad(n), rows = KW__MIN(ROWS, a->L * a->G - r0);
     uint16_t *q = (uint16_t *)w->qf; /* the block's queries as stored: the A tiles of Q·Kᵀ */
-    int64_t oo[ROWS], lo = n, hi = 0, i_prev = -1;
+    int64_t oo[ROWS], lo = n, hi = 0;
     int keeps[ROWS] = {0};
     float inv[ROWS];
-    for (int64_t t = 0; t < ROWS; t++) {
-        if (t >= rows) {
-            memset(q + t * a->D, 0, (size_t)a->D * 2);
-            continue;
-        }
-        float *s = w->scores + t * np;
-        const int64_t i = (r0 + t) / a->G, h = kh * a->G + (r0 + t) % a->G;
-        oo[t] = b * a->os[0] + h * a->os[1] + i * a->os[2];
-        memcpy(q + t * a->D, (const uint16_t *)a->q + b * a->qs[0] + h * a->qs[1] + i * a->qs[2], (size_t)a->D * 2);
-        if (i == i_prev && !a->mh) /* the previous row's head at the same position: the same mask row */
-            memcpy(s, s - np, (size_t)np * sizeof *s), keeps[t] = keeps[t - 1];
+    for (int64_t t = 0; t < ROWS; t++) { /* zeros past the block's rows */
+        int64_t i, h;
+        block_row(a, kh, r0 + t, &i, &h);
+        if (t < rows)
+            memcpy(q + t * a->D, (const uint16_t *)a->q + b * a->qs[0] + h * a->qs[1] + i * a->qs[2], (size_t)a->D * 2);
         else
-            keeps[t] = bias_row(a, kw__attn_mask_row(a, b, h, i), w->pos, n, np, s, &lo, &hi);
-        i_prev = i;
+            memset(q + t * a->D, 0, (size_t)a->D * 2);
     }
+    block_biases(a, w, b, kh, r0, rows, n, np, oo, keeps, &lo, &hi);
     const int64_t j0 = lo / 32 * 32, j1 = KW__MIN(np, kw__attn_pad(hi));
     if (j0 < j1) {
         scores_block(a, q, (const uint32_t *)w->kt, np, j0, j1, rows, w->scores);
@@ -171,8 +165,7 @@ static void block(const kw__attn *a, const kw__attn_scratch *w, int64_t b, int64
             }
         }
     }
-    for (int64_t t = 0; t < rows; t++)
-        if (!keeps[t]) kw__attn_unkept_row(a, w, b, (r0 + t) / a->G, kh * a->G + (r0 + t) % a->G);
+    block_unkept(a, w, b, kh, r0, rows, keeps);
 }
 
 void kw__attention_blocks_amx(const kw__attn *a, int64_t u0, int64_t u1, void *work) {

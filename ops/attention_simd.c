@@ -229,25 +229,17 @@ static void pv_block(const kw__attn *a, const char *v, const int32_t *pos, int64
  * keeps is computed: in a causal chunk, a block's last position bounds it. */
 static void block(const kw__attn *a, const kw__attn_scratch *w, int64_t b, int64_t kh, int64_t r0, int64_t n) {
     const int64_t np = kw__attn_pad(n), rows = KW__MIN(ROWS, a->L * a->G - r0);
-    int64_t oo[ROWS], lo = n, hi = 0, i_prev = -1;
+    int64_t oo[ROWS], lo = n, hi = 0;
     int keeps[ROWS] = {0};
     float inv[ROWS];
-    for (int64_t t = 0; t < ROWS; t++) {
-        float *s = w->scores + t * np, *qf = w->qf + t * a->D;
-        if (t >= rows) {
-            memset(qf, 0, (size_t)a->D * sizeof *qf);
-            continue;
-        }
-        const int64_t i = (r0 + t) / a->G, h = kh * a->G + (r0 + t) % a->G;
+    for (int64_t t = 0; t < ROWS; t++) { /* the queries widened, zeros past the block's rows */
+        float *qf = w->qf + t * a->D;
+        int64_t i, h;
+        block_row(a, kh, r0 + t, &i, &h);
         const int64_t qo = b * a->qs[0] + h * a->qs[1] + i * a->qs[2];
-        oo[t] = b * a->os[0] + h * a->os[1] + i * a->os[2];
-        for (int64_t d = 0; d < a->D; d++) qf[d] = kw__ldf(a->q, qo + d, a->qt);
-        if (i == i_prev && !a->mh) /* the previous row's head at the same position: the same mask row */
-            memcpy(s, s - np, (size_t)np * sizeof *s), keeps[t] = keeps[t - 1];
-        else
-            keeps[t] = bias_row(a, kw__attn_mask_row(a, b, h, i), w->pos, n, np, s, &lo, &hi);
-        i_prev = i;
+        for (int64_t d = 0; d < a->D; d++) qf[d] = t < rows ? kw__ldf(a->q, qo + d, a->qt) : 0.0f;
     }
+    block_biases(a, w, b, kh, r0, rows, n, np, oo, keeps, &lo, &hi);
     const int64_t j0 = lo / (NV * KW_VW) * (NV * KW_VW), j1 = KW__MIN(np, kw__attn_pad(hi));
     if (j0 < j1) scores_block(a, w->kt, np, w->qf, j0, j1, w->scores);
     for (int64_t t = 0; t < ROWS; t++) {
@@ -262,8 +254,7 @@ static void block(const kw__attn *a, const kw__attn_scratch *w, int64_t b, int64
     }
     pv_block(a, a->v + (size_t)(b * a->vs[0] + kh * a->vs[1]) * kw_dtype_size(a->vt), w->pos, j0, KW__MIN(j1, n),
              w->scores, np, inv, rows, oo);
-    for (int64_t t = 0; t < rows; t++)
-        if (!keeps[t]) kw__attn_unkept_row(a, w, b, (r0 + t) / a->G, kh * a->G + (r0 + t) % a->G);
+    block_unkept(a, w, b, kh, r0, rows, keeps);
 }
 
 void KW__ISA_NAME(kw__attention_blocks)(const kw__attn *a, int64_t u0, int64_t u1, void *work) {

@@ -138,4 +138,41 @@ static inline int bias_row(const kw__attn *a, const char *mrow, const int32_t *p
     return last >= 0;
 }
 
+/* Row r of cache head kh's blocks: position i, query head h (r = i · G + g). */
+static inline void block_row(const kw__attn *a, int64_t kh, int64_t r, int64_t *i, int64_t *h) {
+    *i = r / a->G, *h = kh * a->G + r % a->G;
+}
+
+/* For each row t < rows of the block of rows r0 .. of cache head kh of batch b:
+ * its output's offset oo[t], its mask's bias over the n positions in w->pos at
+ * w->scores + t · np (bias_row; a row at the same position as the one before,
+ * with one mask row for all heads, copies it) and whether it keeps any
+ * position, keeps[t]; [lo, hi) widened to the positions kept. */
+static inline void block_biases(const kw__attn *a, const kw__attn_scratch *w, int64_t b, int64_t kh, int64_t r0,
+                                int64_t rows, int64_t n, int64_t np, int64_t *oo, int *keeps, int64_t *lo,
+                                int64_t *hi) {
+    int64_t i_prev = -1;
+    for (int64_t t = 0; t < rows; t++) {
+        float *s = w->scores + t * np;
+        int64_t i, h;
+        block_row(a, kh, r0 + t, &i, &h);
+        oo[t] = b * a->os[0] + h * a->os[1] + i * a->os[2];
+        if (i == i_prev && !a->mh)
+            memcpy(s, s - np, (size_t)np * sizeof *s), keeps[t] = keeps[t - 1];
+        else
+            keeps[t] = bias_row(a, kw__attn_mask_row(a, b, h, i), w->pos, n, np, s, lo, hi);
+        i_prev = i;
+    }
+}
+
+/* The block's rows that keep no position are SDPA's (kw__attn_unkept_row). */
+static inline void block_unkept(const kw__attn *a, const kw__attn_scratch *w, int64_t b, int64_t kh, int64_t r0,
+                                int64_t rows, const int *keeps) {
+    for (int64_t t = 0; t < rows; t++) {
+        int64_t i, h;
+        block_row(a, kh, r0 + t, &i, &h);
+        if (!keeps[t]) kw__attn_unkept_row(a, w, b, i, h);
+    }
+}
+
 #endif
