@@ -165,13 +165,38 @@ def _broadcast_shape(*xs) -> torch.Size:
 
 
 def _elementwise_out(*xs):
-    """The output of an op over xs of one dtype, or None: PyTorch's promotion
-    rounds mixed dtypes at each step of the reference (rotary's two products in
-    bf16 before their sum), and a 0-d tensor does not promote the others, which
-    the kernels would not follow."""
+    """The output of an op over xs of one dtype (_laid_out_as xs[0]), or None:
+    PyTorch's promotion rounds mixed dtypes at each step of the reference
+    (rotary's two products in bf16 before their sum), and a 0-d tensor does not
+    promote the others, which the kernels would not follow."""
     if any(x.dtype != xs[0].dtype for x in xs):
         return None
-    return xs[0].new_empty(_broadcast_shape(*xs))
+    return _laid_out_as(xs[0], _broadcast_shape(*xs), xs[0].dtype)
+
+
+def _laid_out_as(x, shape, dtype):
+    """An empty output whose dims lie in memory in the order of x's strides
+    where x has its shape, as ATen's elementwise ops lay out theirs; else
+    contiguous. The graph after a rewritten rotary views its output as it viewed
+    the ops' it replaced: HF's query is [B, L, H, D] in memory, and so is then
+    the attention's output (attention_output), which the graph views as
+    [B, L, H·D]."""
+    if tuple(x.shape) != tuple(shape):
+        return x.new_empty(shape, dtype=dtype)
+    return torch.empty_permuted(shape, _dims_by_stride(x), dtype=dtype, device=x.device)
+
+
+def _elementwise(out, x):
+    """A reference's output, laid out as the native op's (_laid_out_as x)."""
+    return _laid_out_as(x, out.shape, out.dtype).copy_(out)
+
+
+def _dims_by_stride(t) -> list[int]:
+    return sorted(range(t.dim()), key=lambda d: -t.stride(d))
+
+
+# The ops whose outputs are laid out as their first input, as the elementwise ops they replace.
+ELEMENTWISE = ("rotary", "silu_mul", "gelu_mul")
 
 
 # kwker.rotary's int parameters for the native rotary: HF's rotate_half over all of x's last dim
@@ -182,14 +207,14 @@ def _cpu_rotary(x, cos, sin):
     y = _elementwise_out(x, cos, sin)
     if y is not None and _native("rotary", [y, x, cos, sin], ROTARY_HALF):
         return y
-    return _contiguous(_rotary(x, cos, sin))
+    return _elementwise(_rotary(x, cos, sin), x)
 
 
 def _cpu_silu_mul(gate, up):
     y = _elementwise_out(gate, up)
     if y is not None and _native("silu_mul", [y, gate, up]):
         return y
-    return _contiguous(_silu_mul(gate, up))
+    return _elementwise(_silu_mul(gate, up), gate)
 
 
 # gelu's and gelu_mul's int parameter, by approximate=
@@ -200,7 +225,7 @@ def _cpu_gelu_mul(gate, up, approximate):
     y = _elementwise_out(gate, up)
     if y is not None and approximate in GELU_MODES and _native("gelu_mul", [y, gate, up], [GELU_MODES[approximate]]):
         return y
-    return _contiguous(_gelu_mul(gate, up, approximate))
+    return _elementwise(_gelu_mul(gate, up, approximate), gate)
 
 
 def _cpu_linear(x, weight, bias):
@@ -238,8 +263,8 @@ def attention_output(q, v_cache):
     """attention's output, laid out as SDPA's CPU kernel lays out its own: its
     dims in the order of q's strides (HF's q is [B, L, H, D] in memory). The
     graph the op replaces views it so (heads merged by a transpose and a view)."""
-    order = sorted(range(q.dim()), key=lambda d: -q.stride(d))
-    return torch.empty_permuted((*q.shape[:-1], v_cache.shape[-1]), order, dtype=q.dtype, device=q.device)
+    return torch.empty_permuted((*q.shape[:-1], v_cache.shape[-1]), _dims_by_stride(q), dtype=q.dtype,
+                                device=q.device)
 
 
 def _cpu_attention(q, k_cache, v_cache, mask, scale):
@@ -265,12 +290,15 @@ for _name, _fn in _CPU.items():
 
 
 # The fake (meta) implementations are the reference run on fake tensors, its
-# outputs made contiguous as the CPU implementations' are: shapes and dtypes
-# follow from the one definition, so the two cannot drift apart.
-# grouped_linear's reference reads its offsets, which a fake tensor has not;
-# attention's output has SDPA's layout.
+# outputs laid out as the CPU implementations' are (contiguous, or as the first
+# input for ELEMENTWISE ops): shapes and dtypes follow from the one definition,
+# so the two cannot drift apart. grouped_linear's reference reads its offsets,
+# which a fake tensor has not; attention's output has SDPA's layout.
 for _name, _fn in REFERENCE.items():
-    if _name not in ("grouped_linear", "attention"):
+    if _name in ELEMENTWISE:
+        torch.library.register_fake(f"kwker::{_name}", lambda *args, _fn=_fn: _elementwise(_fn(*args), args[0]),
+                                    lib=_lib)
+    elif _name not in ("grouped_linear", "attention"):
         torch.library.register_fake(f"kwker::{_name}", lambda *args, _fn=_fn: _contiguous(_fn(*args)), lib=_lib)
 torch.library.register_fake("kwker::grouped_linear", lambda x, weight, offs: x.new_empty(x.shape[0], weight.shape[1]),
                             lib=_lib)

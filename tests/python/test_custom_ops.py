@@ -256,3 +256,53 @@ def test_attention_rewritten_for_inner_is_laid_out_as_sdpas_output_and_keeps_an_
         with torch.no_grad():
             torch.testing.assert_close(torch.compile(fn, backend="kwker", options={"inner": inner})(*args), fn(*args))
         assert summary.graphs()[-1].rewrites.get("attention") == 1, summary.format_report()
+
+
+def test_keys_repeated_otherwise_than_repeat_kv_are_attended_as_they_are():
+    """repeat_kv's ops (unsqueeze at 2, expand, view) shaped otherwise are not a
+    cache under a repeat: copies merged into the positions, heads split into
+    more heads of fewer positions, one position broadcast to many."""
+    import torch.nn.functional as F
+
+    def expanded(x, n, shape):
+        b, h, s, d = x.shape
+        return x.unsqueeze(2).expand(b, h, n, s, d).reshape(shape)
+
+    cases = [  # (n, the view's shape, q, the caches' shape, a mask)
+        (2, (1, 2, 16, 32), _rand(1, 2, 16, 32), (1, 2, 8, 32), None),  # positions doubled
+        (2, (1, 8, 2, 32), _rand(1, 8, 5, 32), (1, 2, 4, 32), None),  # heads of 4 positions split in two
+        (8, (1, 2, 8, 32), _rand(1, 2, 8, 32), (1, 2, 1, 32), _rand(8, 8, seed=3)),  # one position, eight times
+    ]
+    for n, shape, q, cache, mask in cases:
+        def attend(q, k, v):
+            return F.scaled_dot_product_attention(q, expanded(k, n, shape), expanded(v, n, shape), attn_mask=mask)
+
+        k, v = _rand(*cache, seed=1), _rand(*cache, seed=2)
+        torch._dynamo.reset()
+        with torch.no_grad():
+            torch.testing.assert_close(torch.compile(attend, backend="kwker", options={"inner": "eager"})(q, k, v),
+                                       attend(q, k, v))
+
+
+@pytest.mark.parametrize("inner", ["eager", "inductor"])
+def test_a_whole_sequence_through_llama_keeps_the_querys_layout_under_its_rotary(inner):
+    """HF's query is [B, L, H, D] in memory, and its attention's output, which
+    the model views as [B, L, H·D], follows it: kwker.rotary's output must be
+    laid out as its input, as the ops it replaces were."""
+    from kwker import summary
+    from kwker.testing import make_config, random_model
+
+    model = random_model(make_config("LlamaConfig", vocab_size=64, hidden_size=64, intermediate_size=128,
+                                     num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2))
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
+
+    def forward(ids):
+        return model.model(input_ids=ids, use_cache=False).last_hidden_state
+
+    torch._dynamo.reset()
+    summary.clear()
+    with torch.no_grad():
+        torch.testing.assert_close(torch.compile(forward, backend="kwker", options={"inner": inner})(ids),
+                                   forward(ids))
+    rewrites = summary.graphs()[-1].rewrites
+    assert rewrites.get("rotary") == 2 and rewrites.get("attention") == 1, summary.format_report()

@@ -62,7 +62,11 @@ def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _unrepeat(node):
-    """The cache under repeat_kv's _unsafe_view(clone(expand(unsqueeze(cache, 2))))."""
+    """The cache [B, H, S, D] under repeat_kv's
+    _unsafe_view(clone(expand(unsqueeze(cache, 2)))): expanded to [B, H, n, S, D]
+    and viewed as [B, H·n, S, D], so that head h·n + i is the cache's head h.
+    The same ops shaped otherwise (n copies merged into the positions, or
+    heads split) are other tensors, kept as they are."""
     view = node
     if is_call(view, aten._unsafe_view.default, aten.view.default, aten.reshape.default):
         clone = view.args[0]
@@ -70,8 +74,12 @@ def _unrepeat(node):
             clone = clone.args[0]
         if is_call(clone, aten.expand.default) and is_call(clone.args[0], aten.unsqueeze.default):
             unsq = clone.args[0]
-            if unsq.args[1] == 2:
-                return unsq.args[0]
+            cache = unsq.args[0]
+            if unsq.args[1] == 2 and val(cache).dim() == 4:
+                b, h, s, d = val(cache).shape
+                n = val(clone).shape[2]
+                if tuple(val(clone).shape) == (b, h, n, s, d) and tuple(val(view).shape) == (b, h * n, s, d):
+                    return cache
     return node
 
 
