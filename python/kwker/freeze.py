@@ -63,6 +63,7 @@ class FrozenGraph:
         live = self.live
         if live is not None:
             compiled, watches = live
+            _C.Watch.handler_check()
             if all(w.matches(args[i]) for i, w in zip(self.frozen, watches)):
                 return compiled(*[args[i] for i in self.kept])
             log.info("a frozen model tensor was written or replaced: the graph's next fastest candidate runs "

@@ -79,6 +79,41 @@ def test_a_frozen_graph_follows_every_change_of_the_models_tensors(edit):
         torch.testing.assert_close(compiled(x), after, rtol=1e-4, atol=1e-5)
 
 
+def test_a_sigsegv_handler_installed_after_a_frozen_graph_is_put_behind_kwkers_at_its_next_call():
+    """A write into a frozen (watched) tensor faults, and kwker's handler must
+    see it first: a late faulthandler.enable() in front of it would print a
+    "Fatal Python error" dump for an ordinary write. A process of its own, as
+    the test changes the process's SIGSEGV handlers."""
+    import pathlib
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent("""
+        import faulthandler, sys, tempfile, torch
+        sys.path.insert(0, %r)
+        from test_freeze import freezing_backend
+        made, backend = freezing_backend()
+        # a weight of 144 KiB: whole pages of it are write-protected, so the write faults
+        model = torch.nn.Sequential(torch.nn.Conv2d(64, 64, 3), torch.nn.BatchNorm2d(64)).eval()
+        x = torch.randn(1, 64, 8, 8)
+        dump = tempfile.TemporaryFile()
+        with torch.no_grad():
+            compiled = torch.compile(model, backend=backend)
+            compiled(x)
+            faulthandler.enable(file=dump)  # in front of kwker's handler now
+            compiled(x)
+            assert made[0].live is not None
+            model[0].weight.mul_(2)
+            torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-4)
+        dump.seek(0)
+        print(repr(dump.read().decode()))
+    """) % str(pathlib.Path(__file__).parent)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "''", out.stdout
+
+
 class Foldable(torch.nn.Module):
     """Batch norms after convolutions with and without a bias, one without
     affine parameters, one after a 1-d convolution, one after a convolution given

@@ -109,7 +109,15 @@ static void watch_dealloc(PyObject *self_) {
     Py_TYPE(self_)->tp_free(self_);
 }
 
+static PyObject *watch_handler_check(PyObject *unused, PyObject *unused2) {
+    if (kw_watch_handler_check()) return PyErr_SetFromErrno(PyExc_OSError);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef watch_methods[] = {
+    {"handler_check", watch_handler_check, METH_NOARGS | METH_STATIC,
+     "handler_check(): put kwker's SIGSEGV handler, which sees the writes into watched memory, back in\n"
+     "front of one installed after it (faulthandler.enable() called late), as a plan's call does."},
     {"rearm", watch_rearm, METH_NOARGS,
      "rearm(): watch afresh from now on. Copy the memory only after this: a write in between is then seen."},
     {"matches", watch_matches, METH_O,
