@@ -18,7 +18,9 @@
  * significand in three pieces of 8), and each part gets its own B tiles, all
  * summed into the same tile: every product of a bf16 weight with a part is
  * exact in f32, so the result is the f32 linear's up to summation order, as
- * with the AVX-512 kernel's widened weights.
+ * with the AVX-512 kernel's widened weights. An infinite x is its first part
+ * (the rest zero); a finite x above bf16's largest value (3.39e38) rounds to an
+ * infinite part, and its row's outputs are NaN.
  *
  * Each group of 16 weight rows (kw__lin_claim hands out whole groups, and every
  * output of linear_multi must be whole groups) is multiplied block of x after
@@ -98,13 +100,21 @@ static void configure_tiles(const kw__lin *g) {
     _tile_loadconfig(&cfg);
 }
 
+/* What is left of v once its top 8 bits are taken as a part: zero after an
+ * infinite part (inf - inf would make the next parts NaN where the f32 linear
+ * gives ±inf). */
+static inline kw_v rest_after(kw_v v) {
+    const kw_v rest = _mm512_sub_ps(v, kw_v_round_to(v, KW_BF16));
+    return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(rest, rest, _CMP_ORD_Q), rest);
+}
+
 /* Part p of x's row from xrow (element k0 of it) over one step of 32 along K,
  * as 16 K pairs: bf16 x as stored, f32 x split as kw__f32_to_bf16 rounds. */
 static inline __m512i row_pairs(const kw__lin *g, const char *xrow, int p) {
     if (g->xt == KW_BF16) return _mm512_loadu_si512(xrow);
     kw_v lo = kw_v_loadu((const float *)xrow), hi = kw_v_loadu((const float *)xrow + 16);
     for (int q = 0; q < p; q++) /* exact: each part is the rest rounded to its top 8 bits */
-        lo = _mm512_sub_ps(lo, kw_v_round_to(lo, KW_BF16)), hi = _mm512_sub_ps(hi, kw_v_round_to(hi, KW_BF16));
+        lo = rest_after(lo), hi = rest_after(hi);
     return _mm512_inserti64x4(_mm512_castsi256_si512(kw__narrow_bf16(lo)), kw__narrow_bf16(hi), 1);
 }
 
@@ -144,6 +154,7 @@ static void lay_out_rows(const kw__lin *g, char *work, int64_t mb, int64_t width
             for (int p = 0; p < 3; p++) {
                 step[p][at] = kw__f32_to_bf16(rest);
                 rest -= kw__bf16_to_f32(step[p][at]);
+                if (isnan(rest)) rest = 0; /* as rest_after */
             }
         }
     }

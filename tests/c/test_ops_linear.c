@@ -174,6 +174,25 @@ Test(linear, amx_shapes_match_the_reference) {
     }
 }
 
+/* Infinite activations give the f32 linear's ±inf (NaN under a zero weight):
+ * the AMX kernel's split of an f32 x into bf16 parts must not turn inf - inf
+ * into NaN parts. Narrow tiles (their short step of K laid out element by
+ * element) and wide ones, and the AVX-512 kernels. */
+Test(linear, infinite_f32_activations_give_infinite_outputs) {
+    tt_rng r = {23};
+    static const int64_t Ms[] = {16, 20}, Ks[] = {100, 64}; /* narrow with a short step of K (4); wide */
+    for (int i = 0; i < 2; i++) {
+        const int64_t M = Ms[i], K = Ks[i], N = 32;
+        tt_case k = {0};
+        kw_tensor *x = tt_tensor(&k, 1, KW_F32, 2, TT_DIMS(M, K), NULL, -1, 1, &r);
+        tt_tensor(&k, 2, KW_BF16, 2, TT_DIMS(N, K), NULL, -1, 1, &r);
+        tt_tensor(&k, 0, KW_F32, 2, TT_DIMS(M, N), NULL, 0, 0, &r);
+        for (int64_t m = 0; m < M; m += 2) tt_set(x, (int64_t[]){m, (m * 7) % K}, m % 4 ? INFINITY : -INFINITY);
+        tt_check_variants(KW_OP_LINEAR, &k, lin_tol(KW_F32, K), i ? "inf in x, wide tiles" : "inf in x, narrow tiles");
+        tt_free(&k);
+    }
+}
+
 /* Exactly representable sums: the reference must be exact, and so every variant. */
 Test(linear, reference_is_exact_on_exact_inputs) {
     static const float x[2][3] = {{0.5f, -1.25f, 3.0f}, {2.0f, 0.25f, -0.75f}};

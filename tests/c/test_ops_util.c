@@ -126,7 +126,7 @@ int64_t tt_compare(const void *got, const void *want, kw_dtype dt, size_t bytes,
     const int64_t n = (int64_t)(bytes / kw_dtype_size(dt));
     for (int64_t i = 0; i < n; i++) {
         *g = get(got, i, dt), *w = get(want, i, dt);
-        if (isnan(*g) && isnan(*w)) continue;
+        if ((isnan(*g) && isnan(*w)) || *g == *w) continue; /* equal infinities too */
         if (!(fabs(*g - *w) <= tol.atol + tol.rtol * fabs(*w))) return i;
     }
     return -1;
