@@ -329,12 +329,7 @@ def first_compile_here(kind: str, name: str, batch: int, dtype_name: str, backen
         model, inputs = build(MODELS[name], batch, dtype_name)
         call = functools.partial(torch.compile(model, backend=backend), **inputs)
     else:
-        spec = TRAIN_MODELS[name]
-        torch.manual_seed(0)
-        model = spec.build().train()
-        inputs, target = spec.batch(batch, torch.Generator().manual_seed(0))
-        call = functools.partial(train_step, torch.compile(model, backend=backend),
-                                 torch.optim.SGD(model.parameters(), lr=LEARNING_RATE), spec.loss, inputs, target)
+        call = training_step(name, backend, *build_training(name, batch))
     seconds = []
     with torch.set_grad_enabled(kind == "training"):
         for _ in range(2):
@@ -342,6 +337,20 @@ def first_compile_here(kind: str, name: str, batch: int, dtype_name: str, backen
             call()
             seconds.append(time.perf_counter() - start)
     return dict(first_compile_s=max(seconds[0] - seconds[1], 0.0))
+
+
+def build_training(name: str, batch: int) -> tuple[torch.nn.Module, dict, torch.Tensor]:
+    """A training row's seeded model, in train mode, and its batch (inputs, target)."""
+    spec = TRAIN_MODELS[name]
+    torch.manual_seed(0)
+    return spec.build().train(), *spec.batch(batch, torch.Generator().manual_seed(0))
+
+
+def training_step(name: str, backend: str, model, inputs, target) -> Callable[[], torch.Tensor]:
+    """One SGD step of `model` on the batch, its forward run by `backend` ("eager": the model itself)."""
+    forward = model if backend == "eager" else torch.compile(model, backend=backend)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
+    return functools.partial(train_step, forward, optimizer, TRAIN_MODELS[name].loss, inputs, target)
 
 
 def train_step(forward, optimizer, loss_fn, inputs, target) -> torch.Tensor:
@@ -359,16 +368,10 @@ def measure_training(name: str, batch: int, rounds: int) -> dict:
     from the same weights and its loss can be compared with eager's. Then
     warm-up steps and `rounds` interleaved steps of all three."""
     fresh_compile_state()
-    spec = TRAIN_MODELS[name]
-    torch.manual_seed(0)
-    base = spec.build().train()
-    inputs, target = spec.batch(batch, torch.Generator().manual_seed(0))
+    base, inputs, target = build_training(name, batch)
     steps, first_s, first_loss = {}, {}, {}
     for backend in ("eager",) + COMPILED:
-        model = copy.deepcopy(base)
-        forward = model if backend == "eager" else torch.compile(model, backend=backend)
-        optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
-        steps[backend] = functools.partial(train_step, forward, optimizer, spec.loss, inputs, target)
+        steps[backend] = training_step(name, backend, copy.deepcopy(base), inputs, target)
         start = time.perf_counter()
         first_loss[backend] = float(steps[backend]())
         first_s[backend] = time.perf_counter() - start
