@@ -124,6 +124,9 @@ typedef enum kw_compare_op { /* compare ip[0] */
 #define KW_LINEAR_BLOCK 2048
 int64_t kw_linear_block(int64_t K);
 
+/* A crossover no call reaches: linear at every M. */
+#define KW_DNNL_NEVER INT32_MAX
+
 /* From this many rows of x on, matmul_dnnl (oneDNN) beat linear on the machine
  * kwker is developed on (2 Zen 4 cores; bench/ops.py, "dnnl_crossover" in
  * bench/README.md); below it use linear. f32 × bf16 has no oneDNN path: linear
@@ -143,18 +146,20 @@ enum {
      * 15.2 ms against 17.3 at M = 16, 26.8 against 23.2 at M = 32. */
     KW_DNNL_MIN_M_F32_BF16_COPY = 32,
     /* On an AMX CPU linear runs its tile kernel (ops/linear_amx.c) over bf16
-     * weights from KW_AMX_MIN_M_BF16 / _F32 rows of x (below), and the
-     * crossovers move. On a 2-vCPU Xeon (bench/ops.py, Llama-3.2-1B's MLP, 2
-     * threads), bf16 x: linear 4.1-4.3 ms at M = 1 against 4.6-4.8 for the
-     * AVX-512 kernel, 10.6-11.0 against 19.8-36.7 at M = 32. With the wide
-     * tiles (two weight groups × two blocks of x), against oneDNN: bf16 x
+     * weights from KW_AMX_MIN_M_BF16 / _F32 rows of x (below), and oneDNN (2.6,
+     * Debian's) never wins. On a 2-vCPU Xeon (bench/ops.py, Llama-3.2-1B's MLP,
+     * 2 threads), bf16 x: linear 4.1-4.3 ms at M = 1 against 4.6-4.8 for the
+     * AVX-512 kernel, 10.6-11.0 against 19.8-36.7 at M = 32; against oneDNN
      * 10.3-12.0 ms against 14.0-20.4 at M = 128, 18.3-21.2 against 21.1-23.2 at
-     * 256, 41.4 / 45.3 against 40.6 / 49.6 at 512; f32 x over the bf16 copy
-     * (oneDNN over the f32 weights) 24.6-32.0 against 50.2-54.3 at 128, 117 /
-     * 125 against 178 / 181 at 512, the largest measured. The lowering reads the
+     * 256. Past 512 rows, since linear takes x in panels that stay in L2
+     * (kw__lin_panel_rows): ViT-base at batch 8 (1576 rows) spent 145 ms of its
+     * bf16 plan in linears against 200 with oneDNN from 512 rows. f32 x over the
+     * bf16 copy: 24.6-32.0 ms against oneDNN's 50.2-54.3 over the f32 weights
+     * at 128, 117 / 125 against 178 / 181 at 512, and 9.8 ms against PyTorch's
+     * f32 linear's 22.2 at 1576 rows of ViT-base's MLP. The lowering reads the
      * crossovers for the CPU it runs on (kwker._C.op_params). */
-    KW_DNNL_MIN_M_BF16_AMX = 512,
-    KW_DNNL_MIN_M_F32_BF16_COPY_AMX = 1024,
+    KW_DNNL_MIN_M_BF16_AMX = KW_DNNL_NEVER,
+    KW_DNNL_MIN_M_F32_BF16_COPY_AMX = KW_DNNL_NEVER,
     /* Over SmolLM2-360M's decode plan (rows of 960) the tile kernel lost at one
      * row: replays of 46-52 ms against 47-52 (bf16) and 63-64 against 45-48 (f32
      * x, three tile products a step), while it won at 5 and 8 rows in bf16

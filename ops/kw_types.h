@@ -92,8 +92,10 @@ typedef struct kw_fault {
  * [work + ith * work_stride, work + (ith + 1) * work_stride). `share`, when not
  * NULL, is KW_SHARE_BYTES of zeroed memory the call's threads share to hand
  * work out at run time (a replay zeroes it before each run); kernels that use
- * it split their work statically without it. `fault` is the plan's (kw_fault). */
-#define KW_SHARE_BYTES 64
+ * it split their work statically without it (linear takes a word per thread
+ * for each panel of x, up to 16 words for two threads). `fault` is the plan's
+ * (kw_fault). */
+#define KW_SHARE_BYTES 256
 typedef struct kw_call {
     kw_tensor t[KW_CALL_MAX_TENSORS];
     int64_t ip[KW_CALL_MAX_PARAMS];

@@ -130,13 +130,27 @@ void kw__linear_run(const kw_call *c, const kw__lin *prepared, int ith, int nth)
     g.x = c->t[g.slots].data, g.w = c->t[g.slots + 1].data, g.b = c->t[g.slots + 2].data;
     for (int j = 0; j < g.n_out; j++) g.out[j].y = c->t[j].data;
     void *work = kw__work(c, ith);
-    int64_t own = 0, n0, n1;
-    int laid_out = 0;
-    while (kw__lin_claim(&g, c->share, &own, ith, nth, &n0, &n1)) {
-        if (!laid_out) g.acts(&g, work), laid_out = 1;
-        g.rows(&g, n0, n1, work);
+    const int64_t M = g.M, rows = kw__lin_panel_rows(&g);
+    const char *const x = g.x;
+    char *y[KW__LIN_MAX_OUT];
+    for (int j = 0; j < g.n_out; j++) y[j] = g.out[j].y;
+    int any = 0;
+    /* Each panel's chunks are claimed through share words of their own, so no
+     * thread waits for another between panels; panels past the share's words
+     * are split statically. */
+    for (int64_t m0 = 0, p = 0; m0 < M; m0 += rows, p++) {
+        g.M = KW__MIN(rows, M - m0);
+        g.x = x + (size_t)(m0 * g.xs) * kw_dtype_size(g.xt);
+        for (int j = 0; j < g.n_out; j++) g.out[j].y = y[j] + (size_t)(m0 * g.out[j].ys) * kw_dtype_size(g.yt);
+        uint64_t *share = c->share && (p + 1) * nth <= KW__LIN_SHARE_MAX ? (uint64_t *)c->share + p * nth : NULL;
+        int64_t own = 0, n0, n1;
+        int laid_out = 0;
+        while (kw__lin_claim(&g, share, &own, ith, nth, &n0, &n1)) {
+            if (!laid_out) g.acts(&g, work), laid_out = any = 1;
+            g.rows(&g, n0, n1, work);
+        }
     }
-    if (laid_out && g.done) g.done(&g);
+    if (any && g.done) g.done(&g);
 }
 
 static void linear_kernel(const kw_call *c, int ith, int nth) { kw__linear_run(c, c->prep, ith, nth); }

@@ -5,7 +5,8 @@
  * with, so a kernel body written once builds for AVX2 and AVX-512.
  * Partial loads and stores (the `n` variants, n < KW_VW) never touch memory past
  * n elements. bf16 stores round to nearest even exactly like kw__f32_to_bf16
- * (PyTorch's rounding), never with vcvtneps2bf16, which flushes denormals. */
+ * (PyTorch's rounding), never with vcvtneps2bf16, which flushes denormals
+ * (linear_amx.c uses it where it finds no denormal). */
 #ifndef KW_SIMD_H
 #define KW_SIMD_H
 

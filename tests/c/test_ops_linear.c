@@ -174,6 +174,69 @@ Test(linear, amx_shapes_match_the_reference) {
     }
 }
 
+/* The rows of x in the AMX kernel's panels (kw__lin_panel_rows): more rows than
+ * a panel, so that x is laid out and multiplied panel after panel, the last one
+ * short (an odd block, a block of fewer than 16 rows); weight groups stored in
+ * pairs, and split where a pair straddles two outputs of linear_multi. */
+Test(linear, amx_panels_of_x_match_the_reference) {
+    tt_rng r = {29};
+    static const struct {
+        kw_dtype xt;
+        int64_t M, K, n_out, N[3];
+    } cases[] = {
+        {KW_BF16, 600, 960, 1, {80}},          /* panels of 256 rows */
+        {KW_BF16, 530, 960, 3, {16, 64, 48}}, /* pairs (0, 16) and (64, 80) straddle outputs */
+        {KW_F32, 150, 960, 1, {48}},          /* three parts: panels of 64 rows; f32 y */
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
+        const kw_dtype xt = cases[i].xt;
+        const int64_t M = cases[i].M, K = cases[i].K;
+        const kw_op_id op = cases[i].n_out > 1 ? KW_OP_LINEAR_MULTI : KW_OP_LINEAR;
+        const int xslot = cases[i].n_out > 1 ? 4 : 1;
+        int64_t N = 0;
+        tt_case k = {0};
+        for (int j = 0; j < cases[i].n_out; j++) {
+            tt_padded(&k, j, xt, 2, TT_DIMS(M, cases[i].N[j]), tt_int(&r, 0, 2), 0, 0, &r);
+            N += cases[i].N[j];
+        }
+        tt_tensor(&k, xslot, xt, 2, TT_DIMS(M, K), NULL, -1, 1, &r);
+        tt_tensor(&k, xslot + 1, KW_BF16, 2, TT_DIMS(N, K), NULL, -1, 1, &r);
+        tt_tensor(&k, xslot + 2, xt, 1, TT_DIMS(N), NULL, -1, 1, &r);
+        char what[64];
+        snprintf(what, sizeof what, "%s x M=%lld K=%lld", kw_dtype_name(xt), (long long)M, (long long)K);
+        if (kw_cpu_isa() >= KW_ISA_AMX) {
+            kw__lin prep;
+            kw_call call = k.c;
+            char msg[256];
+            cr_assert_eq(kw_op_prepare(op, &call, kw_cpu_isa(), &prep, msg, sizeof msg), 0, "%s", msg);
+            cr_assert(prep.rows == kw__linear_rows_amx && M > 2 * kw__lin_panel_rows(&prep),
+                      "%s: not three panels on the AMX kernel", what);
+        }
+        tt_check_variants(op, &k, lin_tol(xt, K), what);
+        tt_free(&k);
+    }
+}
+
+/* bf16 y below 2^-126 keeps its denormal value, as PyTorch rounds it: the AMX
+ * kernel's stores round with vcvtne2ps2bf16, which flushes denormals, except
+ * where a vector holds one. x is zero, so y is the bias. */
+Test(linear, amx_denormal_bf16_outputs_are_kept) {
+    tt_rng r = {31};
+    const int64_t M = 40, K = 64, N = 48;
+    tt_case k = {0};
+    kw_tensor *y = tt_tensor(&k, 0, KW_BF16, 2, TT_DIMS(M, N), NULL, 0, 0, &r);
+    tt_tensor(&k, 1, KW_BF16, 2, TT_DIMS(M, K), NULL, 0, 0, &r);
+    tt_tensor(&k, 2, KW_BF16, 2, TT_DIMS(N, K), NULL, -1, 1, &r);
+    kw_tensor *b = tt_tensor(&k, 3, KW_BF16, 1, TT_DIMS(N), NULL, -1, 1, &r);
+    for (int64_t n = 0; n < N; n += 3) tt_set(b, (int64_t[]){n}, ldexp(1 + n % 5 / 8.0, -130 - n % 4));
+    tt_run(KW_OP_LINEAR, kw_cpu_isa(), &k.c, 2);
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t n = 0; n < N; n++)
+            cr_assert_eq(tt_get(y, (int64_t[]){m, n}), tt_get(b, (int64_t[]){n}), "y[%lld, %lld] is %g, bias %g",
+                         (long long)m, (long long)n, tt_get(y, (int64_t[]){m, n}), tt_get(b, (int64_t[]){n}));
+    tt_free(&k);
+}
+
 /* Infinite activations give the f32 linear's ±inf (NaN under a zero weight):
  * the AMX kernel's split of an f32 x into bf16 parts must not turn inf - inf
  * into NaN parts. Narrow tiles (their short step of K laid out element by

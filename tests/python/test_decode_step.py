@@ -255,16 +255,18 @@ def test_the_weight_reservation_holds_exactly_what_the_rewrite_copies(dtype, bia
 
 @pytest.mark.parametrize("dtype, bf16_valued", [
     (torch.float32, False),  # every linear, q/k/v and gate/up unstacked past the crossover
-    (torch.bfloat16, False),  # the crossover is this CPU's: 512 rows with AMX, 16 without
+    (torch.bfloat16, False),  # the crossover is this CPU's: 16 rows, none with AMX
     (torch.float32, True),  # bf16-valued: read as bf16 copies by kwker's linear below the crossover
 ])
 def test_a_batch_past_onednns_crossover_runs_its_linears_there_with_eagers_tokens(dtype, bf16_valued, monkeypatch):
     """From the rows where oneDNN's matmul measured faster (kw_ops.h's
     KW_DNNL_MIN_M_*), linears read their weights as stored, each as a
-    matmul_dnnl step; one row below, kwker's linear reads copies (bf16, stacked)."""
+    matmul_dnnl step; one row below, kwker's linear reads copies (bf16, stacked).
+    Where oneDNN never measured faster (bf16 on an AMX CPU), a batch of 40 runs
+    kwker's linear like one of 1."""
     import kwker.decode
     import kwker.dynamo_backend
-    from kwker.weights import DNNL_MIN_ROWS, DNNL_MIN_ROWS_OVER_BF16_COPY
+    from kwker.weights import DNNL_MIN_ROWS, DNNL_MIN_ROWS_OVER_BF16_COPY, DNNL_NEVER
 
     plans = []
 
@@ -279,7 +281,8 @@ def test_a_batch_past_onednns_crossover_runs_its_linears_there_with_eagers_token
                                      max_position_embeddings=256), dtype=dtype, bf16_valued=bf16_valued)
     crossover = DNNL_MIN_ROWS_OVER_BF16_COPY if bf16_valued else DNNL_MIN_ROWS[dtype]
     kw = dict(max_new_tokens=4, do_sample=False, cache_implementation="static")
-    for batch, by_dnnl in ((crossover - 1, 0), (crossover, 2 * 7 + 1)):
+    batches = ((1, 0), (40, 0)) if crossover == DNNL_NEVER else ((crossover - 1, 0), (crossover, 2 * 7 + 1))
+    for batch, by_dnnl in batches:
         torch._dynamo.reset()
         ids = torch.randint(1, 64, (batch, 8), generator=torch.Generator().manual_seed(batch))
         assert model.generate(ids, compile_config=kwker.compile_config(), **kw).tolist() == \

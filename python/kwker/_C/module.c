@@ -44,6 +44,7 @@ static PyObject *op_params(PyObject *self, PyObject *unused) {
         {"SOFTMAX_SAFE", KW_SOFTMAX_SAFE},
         {"WHERE_X_IF_TRUE", KW_WHERE_X_IF_TRUE},
         {"WHERE_X_IF_FALSE", KW_WHERE_X_IF_FALSE},
+        {"DNNL_NEVER", KW_DNNL_NEVER},
         {"DNNL_MIN_M_F32", KW_DNNL_MIN_M_F32},
         {"BMM_MAX_M", KW_BMM_MAX_M},
         {"DNNL_MIN_M_BF16", amx ? KW_DNNL_MIN_M_BF16_AMX : KW_DNNL_MIN_M_BF16},
