@@ -279,15 +279,10 @@ static inline void biased_rows(const kw__lin *g, const float *sums, int64_t n, k
     for (int r = 0; r < 16; r++) v[r] = kw_v_add(v[r], bias);
 }
 
-/* 32 bf16 from lo, hi: vcvtne2ps2bf16 rounds to nearest even as kw__f32_to_bf16
- * does, but flushes denormal inputs to zero, so a vector holding one (an
- * output below 2^-126, where the tile unit already flushed its inputs) takes
- * the exact path. NaNs stay NaN (their payload may differ). One instruction
- * where the exact path takes eight per 16: with the transposes, the stores of
- * ViT-base's MLP at batch 8 took a quarter of its time. */
+/* 32 bf16 from lo, hi, as kw__narrow_bf16 rounds them (simd.h). */
 static inline __m512i narrow_pair_bf16(kw_v lo, kw_v hi) {
-    if (_mm512_fpclass_ps_mask(lo, 0x20) | _mm512_fpclass_ps_mask(hi, 0x20))
-        return _mm512_inserti64x4(_mm512_castsi256_si512(kw__narrow_bf16(lo)), kw__narrow_bf16(hi), 1);
+    if (_mm512_fpclass_ps_mask(lo, KW__BF16_CVT_DIFFERS) | _mm512_fpclass_ps_mask(hi, KW__BF16_CVT_DIFFERS))
+        return _mm512_inserti64x4(_mm512_castsi256_si512(kw__narrow_bf16_exact(lo)), kw__narrow_bf16_exact(hi), 1);
     return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
 }
 

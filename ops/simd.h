@@ -5,8 +5,8 @@
  * with, so a kernel body written once builds for AVX2 and AVX-512.
  * Partial loads and stores (the `n` variants, n < KW_VW) never touch memory past
  * n elements. bf16 stores round to nearest even exactly like kw__f32_to_bf16
- * (PyTorch's rounding), never with vcvtneps2bf16, which flushes denormals
- * (linear_amx.c uses it where it finds no denormal). */
+ * (PyTorch's rounding): with vcvtneps2bf16 (AVX512-BF16) only where no lane
+ * holds a denormal, which it flushes, or a NaN. */
 #ifndef KW_SIMD_H
 #define KW_SIMD_H
 
@@ -55,13 +55,28 @@ static inline kw_v kw_v_load_bf16(const uint16_t *p) { return kw__widen_bf16(_mm
 static inline kw_v kw_v_loadn_bf16(const uint16_t *p, int64_t n) {
     return kw__widen_bf16(_mm256_maskz_loadu_epi16(kw__m16(n), p));
 }
-static inline __m256i kw__narrow_bf16(kw_v v) {
+static inline __m256i kw__narrow_bf16_exact(kw_v v) {
     const __m512i u = _mm512_castps_si512(v);
     const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
     __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
     r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
     return _mm512_cvtepi32_epi16(r);
 }
+#if defined(__AVX512BF16__)
+/* The lanes vcvtneps2bf16 rounds otherwise than kw__f32_to_bf16 (fpclass
+ * categories): denormals, which it flushes to zero, and NaNs, whose sign and
+ * payload it keeps where PyTorch writes 0x7fc0. */
+#define KW__BF16_CVT_DIFFERS 0xa1
+/* One instruction where the exact path takes nine: GELU over ViT-base's MLP
+ * at batch 8 (1576 × 3072, bf16) took 1.44-1.46 ms a call against 1.63-1.64,
+ * its attention 2.60-2.65 ms against 3.19-3.24 (2-vCPU Xeon). */
+static inline __m256i kw__narrow_bf16(kw_v v) {
+    if (_mm512_fpclass_ps_mask(v, KW__BF16_CVT_DIFFERS)) return kw__narrow_bf16_exact(v);
+    return (__m256i)_mm512_cvtneps_pbh(v);
+}
+#else
+static inline __m256i kw__narrow_bf16(kw_v v) { return kw__narrow_bf16_exact(v); }
+#endif
 static inline void kw_v_store_bf16(uint16_t *p, kw_v v) { _mm256_storeu_si256((__m256i *)p, kw__narrow_bf16(v)); }
 static inline void kw_v_storen_bf16(uint16_t *p, kw_v v, int64_t n) {
     _mm256_mask_storeu_epi16(p, kw__m16(n), kw__narrow_bf16(v));
@@ -89,6 +104,7 @@ static inline kw_v kw_v_add(kw_v a, kw_v b) { return _mm512_add_ps(a, b); }
 static inline kw_v kw_v_sub(kw_v a, kw_v b) { return _mm512_sub_ps(a, b); }
 static inline kw_v kw_v_mul(kw_v a, kw_v b) { return _mm512_mul_ps(a, b); }
 static inline kw_v kw_v_div(kw_v a, kw_v b) { return _mm512_div_ps(a, b); }
+static inline kw_v kw__v_rcp_estimate(kw_v a) { return _mm512_rcp14_ps(a); } /* 2^-14 */
 static inline kw_v kw_v_fmadd(kw_v a, kw_v b, kw_v c) { return _mm512_fmadd_ps(a, b, c); }
 static inline kw_v kw_v_fnmadd(kw_v a, kw_v b, kw_v c) { return _mm512_fnmadd_ps(a, b, c); }
 /* max/min return b when either is NaN (the x86 rule); callers order operands for it. */
@@ -216,6 +232,7 @@ static inline kw_v kw_v_add(kw_v a, kw_v b) { return _mm256_add_ps(a, b); }
 static inline kw_v kw_v_sub(kw_v a, kw_v b) { return _mm256_sub_ps(a, b); }
 static inline kw_v kw_v_mul(kw_v a, kw_v b) { return _mm256_mul_ps(a, b); }
 static inline kw_v kw_v_div(kw_v a, kw_v b) { return _mm256_div_ps(a, b); }
+static inline kw_v kw__v_rcp_estimate(kw_v a) { return _mm256_rcp_ps(a); } /* 1.5 · 2^-12 */
 static inline kw_v kw_v_fmadd(kw_v a, kw_v b, kw_v c) { return _mm256_fmadd_ps(a, b, c); }
 static inline kw_v kw_v_fnmadd(kw_v a, kw_v b, kw_v c) { return _mm256_fnmadd_ps(a, b, c); }
 static inline kw_v kw_v_max(kw_v a, kw_v b) { return _mm256_max_ps(a, b); }
@@ -309,9 +326,17 @@ static inline kw_v kw_v_round_to(kw_v v, kw_dtype dt) {
 
 /* ---- transcendental functions ---- */
 
-/* expf to about 1 ulp (Cephes' polynomial): NaN stays NaN, -inf gives 0, +inf gives inf. */
+/* expf to about 1 ulp (Cephes' polynomial): NaN stays NaN, -inf gives 0, +inf
+ * gives inf. Results below FLT_MIN (x under ln FLT_MIN) are zero, not denormal:
+ * an Intel core takes a microcode assist for each instruction that makes a
+ * denormal, and a softmax's masked or padded positions make one in every
+ * vector that holds them (ViT-base's attention at batch 8, 197 positions padded
+ * to 208, spent 58 % of its time in the softmax's exp). Every use here adds
+ * the result to 1 or more (a softmax's sum holds its largest term, exp(0) = 1;
+ * silu, erf, tanh), where 1.2e-38 is lost anyway. */
 static inline kw_v kw_v_exp(kw_v x) {
-    x = kw_v_min(kw_v_set1(88.8f), kw_v_max(kw_v_set1(-104.0f), x)); /* NaN passes through */
+    const unsigned normal = kw_v_nle_bits(x, kw_v_set1(-87.3365f)); /* NaN too */
+    x = kw_v_min(kw_v_set1(88.8f), kw_v_max(kw_v_set1(-87.3365f), x)); /* NaN passes through */
     const kw_v n = kw_v_round(kw_v_mul(x, kw_v_set1(1.44269504088896341f)));
     kw_v r = kw_v_fnmadd(n, kw_v_set1(0.693359375f), x);
     r = kw_v_fnmadd(n, kw_v_set1(-2.12194440e-4f), r);
@@ -322,14 +347,15 @@ static inline kw_v kw_v_exp(kw_v x) {
     p = kw_v_fmadd(p, r, kw_v_set1(1.6666665459e-1f));
     p = kw_v_fmadd(p, r, kw_v_set1(5.0000001201e-1f));
     p = kw_v_fmadd(kw_v_mul(p, r), r, kw_v_add(r, kw_v_set1(1.0f)));
-    return kw__v_ldexp(p, n);
+    return kw_v_blend_bits(normal, kw__v_ldexp(p, n), kw_v_zero());
 }
 
 /* erf as ATen's vectorised erf computes it (Abramowitz & Stegun 7.1.26, absolute
  * error below 1.5e-7), so GELU agrees with PyTorch's CPU kernel. */
 static inline kw_v kw_v_erf(kw_v x) {
     const kw_v sign = kw_v_and(x, kw_v_set1(-0.0f)), ax = kw_v_abs(x), one = kw_v_set1(1.0f);
-    const kw_v t = kw_v_div(one, kw_v_fmadd(kw_v_set1(0.3275911f), ax, one));
+    const kw_v d = kw_v_fmadd(kw_v_set1(0.3275911f), ax, one), t0 = kw__v_rcp_estimate(d);
+    const kw_v t = kw_v_fmadd(t0, kw_v_fnmadd(d, t0, one), t0); /* 1 / d, one Newton step */
     kw_v r = kw_v_fmadd(kw_v_set1(1.061405429f), t, kw_v_set1(-1.453152027f));
     r = kw_v_fmadd(r, t, kw_v_set1(1.421413741f));
     r = kw_v_fmadd(r, t, kw_v_set1(-0.284496736f));

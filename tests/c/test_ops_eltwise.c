@@ -320,6 +320,30 @@ Test(where, takes_x_where_cond_says_and_the_scalar_elsewhere) {
     }
 }
 
+/* f32 to bf16 bit for bit as c10 rounds, in every variant: denormals (which
+ * vcvtneps2bf16 flushes) and NaNs of either sign and any payload (c10 writes
+ * 0x7fc0) among ordinary values, in every lane of a vector. */
+Test(convert, f32_to_bf16_rounds_bit_for_bit_in_every_variant) {
+    static const uint32_t special[] = {0x00018000, 0x80018000, 0x007fffff, 0x00000001, 0x7fc00001,
+                                       0xffc00000, 0x7f800001, 0x3f808000, 0x3f818000, 0x7f7fffff};
+    const int64_t n = 64;
+    tt_rng r = {33};
+    for (size_t i = 0; i < sizeof special / sizeof *special; i++) {
+        tt_case k = {0};
+        kw_tensor *x = tt_tensor(&k, 1, KW_F32, 1, TT_DIMS(n), NULL, -3, 3, &r);
+        kw_tensor *y = tt_tensor(&k, 0, KW_BF16, 1, TT_DIMS(n), NULL, 0, 0, &r);
+        for (int64_t j = (int64_t)i % 7; j < n; j += 9) memcpy((float *)x->data + j, &special[i], 4);
+        for (int isa = KW_ISA_SCALAR; isa <= (int)kw_cpu_isa(); isa++) {
+            tt_run(KW_OP_CONVERT, (kw_isa)isa, &k.c, 2);
+            for (int64_t j = 0; j < n; j++)
+                cr_assert_eq(((const uint16_t *)y->data)[j], kw__f32_to_bf16(((const float *)x->data)[j]),
+                             "%s: bf16(0x%08x) is 0x%04x", kw_isa_name((kw_isa)isa),
+                             ((const uint32_t *)x->data)[j], ((const uint16_t *)y->data)[j]);
+        }
+        tt_free(&k);
+    }
+}
+
 /* Known conversions, bit for bit as c10 does them. */
 Test(convert, reference_by_hand) {
     static const struct {
