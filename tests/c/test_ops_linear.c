@@ -186,6 +186,7 @@ Test(linear, amx_panels_of_x_match_the_reference) {
     } cases[] = {
         {KW_BF16, 600, 960, 1, {80}},          /* panels of 256 rows */
         {KW_BF16, 530, 960, 3, {16, 64, 48}}, /* pairs (0, 16) and (64, 80) straddle outputs */
+        {KW_BF16, 520, 960, 1, {48}},          /* a last panel of 8 rows: narrow tiles */
         {KW_F32, 150, 960, 1, {48}},          /* three parts: panels of 64 rows; f32 y */
     };
     for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
