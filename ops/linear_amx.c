@@ -279,13 +279,6 @@ static inline void biased_rows(const kw__lin *g, const float *sums, int64_t n, k
     for (int r = 0; r < 16; r++) v[r] = kw_v_add(v[r], bias);
 }
 
-/* 32 bf16 from lo, hi, as kw__narrow_bf16 rounds them (simd.h). */
-static inline __m512i narrow_pair_bf16(kw_v lo, kw_v hi) {
-    if (_mm512_fpclass_ps_mask(lo, KW__BF16_CVT_DIFFERS) | _mm512_fpclass_ps_mask(hi, KW__BF16_CVT_DIFFERS))
-        return _mm512_inserti64x4(_mm512_castsi256_si512(kw__narrow_bf16_exact(lo)), kw__narrow_bf16_exact(hi), 1);
-    return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
-}
-
 /* y for block mb of x and weight rows n .. n + 15, from their sums; with
  * `next` (the sums of rows n + 16 .. n + 31), those too, as whole 64-byte rows
  * of bf16 y where both groups fall in one output. */
@@ -305,11 +298,7 @@ static void store_sums(const kw__lin *g, const float *sums, const float *next, i
     if (next) {
         biased_rows(g, next, n + 16, w);
         for (int64_t mi = 0; mi < rows; mi++)
-            _mm512_storeu_si512((uint16_t *)y + (mb * 16 + mi) * g->out[j].ys, narrow_pair_bf16(v[mi], w[mi]));
-    } else if (g->yt == KW_BF16) {
-        for (int64_t mi = 0; mi < rows; mi++)
-            _mm256_storeu_si256((__m256i *)((uint16_t *)y + (mb * 16 + mi) * g->out[j].ys),
-                                _mm512_castsi512_si256(narrow_pair_bf16(v[mi], kw_v_zero())));
+            _mm512_storeu_si512((uint16_t *)y + (mb * 16 + mi) * g->out[j].ys, kw__narrow2_bf16(v[mi], w[mi]));
     } else {
         for (int64_t mi = 0; mi < rows; mi++) kw_v_st(y, (mb * 16 + mi) * g->out[j].ys, g->yt, v[mi]);
     }

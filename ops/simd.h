@@ -74,6 +74,12 @@ static inline __m256i kw__narrow_bf16(kw_v v) {
     if (_mm512_fpclass_ps_mask(v, KW__BF16_CVT_DIFFERS)) return kw__narrow_bf16_exact(v);
     return (__m256i)_mm512_cvtneps_pbh(v);
 }
+/* lo then hi as 32 bf16, rounded as kw__narrow_bf16 rounds them. */
+static inline __m512i kw__narrow2_bf16(kw_v lo, kw_v hi) {
+    if (_mm512_fpclass_ps_mask(lo, KW__BF16_CVT_DIFFERS) | _mm512_fpclass_ps_mask(hi, KW__BF16_CVT_DIFFERS))
+        return _mm512_inserti64x4(_mm512_castsi256_si512(kw__narrow_bf16_exact(lo)), kw__narrow_bf16_exact(hi), 1);
+    return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+}
 #else
 static inline __m256i kw__narrow_bf16(kw_v v) { return kw__narrow_bf16_exact(v); }
 #endif
