@@ -70,11 +70,30 @@ def test_two_rounds_when_they_separate_the_fastest_one_when_none_beats_the_refer
     assert runs["ref"] == runs["fast"] == 1 + 2  # the check run, then two separated rounds (within the budget)
     monkeypatch.setattr(kwker.tune, "BUDGET_S", 0.0)  # every call over the budget, as at batch 8
     runs.update(ref=0, close=0)
-    choose({"ref": counted("ref", 0.02), "close": counted("close", 0.03, 0.01)}, [], "ref")
+    choose({"ref": counted("ref", 0.02), "close": counted("close", 0.03, 0.015)}, [], "ref")
     assert runs["ref"] == runs["close"] == 1 + 3  # timings that overlap: no early stop
     runs.update(ref=0, close=0)
     choose({"ref": counted("ref", 0.02), "close": counted("close", 0.021, 0.03)}, [], "ref")
     assert runs["ref"] == runs["close"] == 1 + 1  # over the budget, and no call under the reference's: one round
+
+
+@pytest.mark.usefixtures("virtual_time")
+def test_calls_longer_than_the_budget_get_one_round_when_one_candidate_is_clearly_fastest():
+    x = torch.ones(3)
+    runs = {}
+
+    def counted(name, seconds):
+        def run(*inputs):
+            kwker.tune.time.sleep(seconds)
+            runs[name] = runs.get(name, 0) + 1
+            return (x.clone(),)
+        return lambda: run
+
+    choice = choose({"ref": counted("ref", 0.6), "fast": counted("fast", 0.3)}, [], "ref")
+    assert choice.name == "fast" and runs == {"ref": 1 + 1, "fast": 1 + 1}  # 2x apart: one round is enough
+    runs.clear()
+    choice = choose({"ref": counted("ref", 0.6), "fast": counted("fast", 0.45)}, [], "ref")
+    assert choice.name == "fast" and runs == {"ref": 1 + 2, "fast": 1 + 2}  # 1.33x: a second round to confirm
 
 
 def test_a_gate_sees_steady_times_and_its_candidate_is_not_built_when_it_says_why():
