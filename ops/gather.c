@@ -145,7 +145,7 @@ static void kv_shift_kernel(const kw_call *c, int ith, int nth) {
     const kw_tensor *cache = &c->t[0], *src = &c->t[1];
     const int64_t H = cache->shape[1], S = cache->shape[2], D = cache->shape[3], slices = cache->shape[0] * H;
     const size_t es = kw_dtype_size(cache->dtype);
-    if (slices == 0) return; /* an empty cache has nothing to shift */
+    if (slices == 0 || D == 0) return; /* an empty cache has nothing to shift */
     /* Fewer slices than threads (one KV head): each slice's columns in parts. */
     const int64_t parts = slices >= nth ? 1 : KW__MIN((nth + slices - 1) / slices, (D + 15) / 16);
     const int64_t width = (D + parts - 1) / parts;

@@ -325,11 +325,13 @@ Test(kv_shift, moves_every_row_up_one_and_writes_src_last_in_place) {
     tt_tensor(&m, 1, KW_BF16, 4, TT_DIMS(1, 1, 1, 8), NULL, -1, 1, &r);
     tt_expect_reject(KW_OP_KV_SHIFT, &m.c, KW_ESHAPE, "kv_shift: src must be");
     tt_free(&m);
-    tt_case e = {0}; /* no heads: fewer slices than threads, and none to split into parts */
-    tt_tensor(&e, 0, KW_F32, 4, TT_DIMS(1, 0, 4, 8), NULL, -1, 1, &r);
-    tt_tensor(&e, 1, KW_F32, 4, TT_DIMS(1, 0, 1, 8), NULL, -1, 1, &r);
-    for (int nth = 1; nth <= 3; nth++) tt_run(KW_OP_KV_SHIFT, kw_cpu_isa(), &e.c, nth);
-    tt_free(&e);
+    for (int empty = 0; empty < 2; empty++) { /* no heads, or no columns: fewer slices than threads, none to split */
+        tt_case e = {0};
+        tt_tensor(&e, 0, KW_F32, 4, TT_DIMS(1, empty ? 1 : 0, 4, empty ? 0 : 8), NULL, -1, 1, &r);
+        tt_tensor(&e, 1, KW_F32, 4, TT_DIMS(1, empty ? 1 : 0, 1, empty ? 0 : 8), NULL, -1, 1, &r);
+        for (int nth = 1; nth <= 3; nth++) tt_run(KW_OP_KV_SHIFT, kw_cpu_isa(), &e.c, nth);
+        tt_free(&e);
+    }
 }
 
 /* ---- attention: slots out 0, q 1, k_cache 2, v_cache 3, mask 4; fp[0] scale ---- */
