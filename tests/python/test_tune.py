@@ -85,7 +85,7 @@ def test_rounds_of_timing_stop_where_more_could_not_change_the_choice(monkeypatc
 
 
 @pytest.mark.usefixtures("virtual_time")
-def test_calls_longer_than_the_budget_get_one_round_when_one_candidate_is_clearly_fastest():
+def test_calls_longer_than_the_budget_get_fewer_rounds_where_more_could_not_change_the_choice():
     x = torch.ones(3)
     runs = {}
 
@@ -102,6 +102,23 @@ def test_calls_longer_than_the_budget_get_one_round_when_one_candidate_is_clearl
     choice = choose({"ref": counted("ref", 0.6), "fast": counted("fast", 0.45)}, [], "ref")
     # 1.33x: a second round to confirm, after a second run of the reference alone (first runs over the budget)
     assert choice.name == "fast" and runs == {"ref": 1 + 1 + 2, "fast": 1 + 2}
+    runs.clear()  # first runs over the budget, 2x apart: the reference's second run confirms it, no timed round
+    choice = choose({"ref": counted("ref", 0.8), "fast": counted("fast", 0.4)}, [], "ref")
+    assert choice.name == "fast" and runs == {"ref": 2, "fast": 1}
+    runs.clear()  # the reference's first run held one-off costs: its second is close, so the rounds decide
+
+    def first_slow(seconds):
+        def run(*inputs):
+            kwker.tune.time.sleep(seconds if runs.get("ref") else 1.2)
+            runs["ref"] = runs.get("ref", 0) + 1
+            return (x.clone(),)
+        return lambda: run
+
+    choice = choose({"ref": first_slow(0.5), "fast": counted("fast", 0.7)}, [], "ref")
+    assert runs["ref"] == 2 and runs["fast"] == 1 and choice.name == "ref"  # 0.7 against 1.2, then 0.5
+    runs.clear()
+    choice = choose({"ref": first_slow(0.5), "fast": counted("fast", 0.4)}, [], "ref")
+    assert runs["ref"] >= 3 and runs["fast"] >= 2 and choice.name == "fast"  # 0.4 is not 1.5x under 0.5: timed
 
 
 def test_a_gate_sees_steady_times_and_its_candidate_is_not_built_when_it_says_why():
