@@ -13,8 +13,10 @@ and otherwise unless a copy reads fewer bytes or fewer calls:
 - a copy whose inner size K suits it is stored K-blocked, [K/B, N, B]
   (kw_ops.h says why);
 - a [K, N] weight (GPT-2's Conv1D, multiplied as stored: x @ W) is copied as
-  its transpose, the [N, K] rows kwker's kernels read (oneDNN's matmul reads it
-  as stored).
+  its transpose, the [N, K] rows kwker's kernels read; for oneDNN's matmul too,
+  which reads a [K, N] float32 weight at 2.3x the time of [N, K] rows
+  (Debian's oneDNN 2.6, brgemm on AVX-512, [1024, 768] x [768, 3072] on the
+  Intel VM: 31 ms against 12.3).
 
 A copy must never be read stale. Every source of a copy is watched
 (kwker._C.Watch: its pages are made read-only and the first write re-opens them
@@ -87,7 +89,8 @@ def decide(weights: list[torch.Tensor], rows: int, kn: bool = False) -> Storage 
     dtype = copy_dtype(weights)
     as_stored = dtype == weights[0].dtype
     if by_matmul(dtype, rows) if as_stored else rows >= DNNL_MIN_ROWS_OVER_BF16_COPY:
-        return None
+        # oneDNN's, as stored; a single [K, N] weight as its transpose (a group would be linear_multi's)
+        return Storage(weights[0].dtype, 0, True) if kn and len(weights) == 1 else None
     if len(weights) == 1 and as_stored and not kn:
         return None
     k = weights[0].shape[0 if kn else 1]
