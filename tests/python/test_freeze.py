@@ -181,8 +181,8 @@ def test_a_second_model_of_the_same_class_is_not_read_through_the_first_ones_con
 def test_a_conv_bn_graph_is_tuned_with_a_frozen_candidate_that_stays_correct(monkeypatch):
     real = kwker.tune._median_ms
 
-    def frozen_fastest(built, run, times, reference):
-        ms = real(built, run, times, reference)
+    def frozen_fastest(built, run, times, reference, first):
+        ms = real(built, run, times, reference, first)
         return {name: (0.0 if name == "frozen" else t) for name, t in ms.items()}
 
     monkeypatch.setattr(kwker.tune, "_median_ms", frozen_fastest)

@@ -71,8 +71,8 @@ def test_rounds_of_timing_stop_where_more_could_not_change_the_choice(monkeypatc
     monkeypatch.setattr(kwker.tune, "BUDGET_S", 0.0)  # every call over the budget, as at batch 8
     runs.update(ref=0, close=0)
     choose({"ref": counted("ref", 0.02), "close": counted("close", 0.015, 0.015, 0.03)}, [], "ref")
-    # timings that overlap: no early stop (the reference is run once more when a first run beat its first)
-    assert runs["ref"] - 1 == runs["close"] == 1 + 3
+    # the reference run once more when a first run beat its first; then the first runs stand in for a second round
+    assert runs["ref"] - 1 == runs["close"] == 1 + 1
     runs.update(ref=0, close=0)
     choose({"ref": counted("ref", 0.02), "close": counted("close", 0.015, 0.021)}, [], "ref")
     assert runs["ref"] - 1 == runs["close"] == 1 + 1  # over the budget, and no timed call under the reference's: one round
@@ -89,9 +89,9 @@ def test_calls_longer_than_the_budget_get_fewer_rounds_where_more_could_not_chan
     x = torch.ones(3)
     runs = {}
 
-    def counted(name, seconds):
+    def counted(name, *seconds):  # each run sleeps the next of `seconds`, in turn
         def run(*inputs):
-            kwker.tune.time.sleep(seconds)
+            kwker.tune.time.sleep(seconds[runs.get(name, 0) % len(seconds)])
             runs[name] = runs.get(name, 0) + 1
             return (x.clone(),)
         return lambda: run
@@ -100,8 +100,11 @@ def test_calls_longer_than_the_budget_get_fewer_rounds_where_more_could_not_chan
     assert choice.name == "fast" and runs == {"ref": 1 + 1, "fast": 1 + 1}  # 2x apart: one round is enough
     runs.clear()
     choice = choose({"ref": counted("ref", 0.6), "fast": counted("fast", 0.45)}, [], "ref")
-    # 1.33x: a second round to confirm, after a second run of the reference alone (first runs over the budget)
-    assert choice.name == "fast" and runs == {"ref": 1 + 1 + 2, "fast": 1 + 2}
+    # 1.33x, first runs over the budget: a second run of the reference alone, then one round, apart from them
+    assert choice.name == "fast" and runs == {"ref": 1 + 1 + 1, "fast": 1 + 1}
+    runs.clear()  # first runs within the budget, rounds over it, timings that overlap: no early stop
+    choice = choose({"ref": counted("ref", 0.6), "close": counted("close", 0.3, 0.45, 0.9)}, [], "ref")
+    assert choice.name == "close" and runs == {"ref": 1 + 3, "close": 1 + 3}
     runs.clear()  # first runs over the budget, 2x apart: the reference's second run confirms it, no timed round
     choice = choose({"ref": counted("ref", 0.8), "fast": counted("fast", 0.4)}, [], "ref")
     assert choice.name == "fast" and runs == {"ref": 2, "fast": 1}
