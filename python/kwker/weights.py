@@ -109,9 +109,9 @@ def bias_storage(biases: list[torch.Tensor]) -> Storage:
     return Storage(biases[0].dtype, 0)
 
 
-def copy_bytes(weights: list[torch.Tensor], biases: list[torch.Tensor], rows: int) -> int:
+def copy_bytes(weights: list[torch.Tensor], biases: list[torch.Tensor], rows: int, kn: bool = False) -> int:
     """What decide() will copy for a group, for the memory reserved up front."""
-    storage = decide(weights, rows)
+    storage = decide(weights, rows, kn)
     if storage is None:
         return 0
     nbytes = sum(w.numel() for w in weights) * storage.dtype.itemsize + 64
