@@ -269,6 +269,7 @@ static void topk_kernel(const kw_call *c, int ith, int nth) {
     const kw_tensor *y = &c->t[0], *ids = &c->t[1], *x = &c->t[2];
     const int largest = (int)c->ip[0];
     const int64_t n = p->n, k = p->k;
+    if (n == 0) return; /* empty rows: nothing to select, and no scratch */
     const order_rows o = thread_rows(c, ith, nth);
     pair *q = kw__work(c, ith);
     for (int64_t r = o.r0; r < o.r1; r++) {
@@ -328,6 +329,7 @@ static void sort_kernel(const kw_call *c, int ith, int nth) {
     const kw_tensor *y = &c->t[0], *ids = &c->t[1], *x = &c->t[2];
     const int desc = (int)c->ip[0];
     const int64_t n = p->n;
+    if (n == 0) return; /* empty rows: nothing to order, and no scratch */
     const order_rows o = thread_rows(c, ith, nth);
     int64_t *const work = kw__work(c, ith);
     const size_t esz = kw_dtype_size(x->dtype);

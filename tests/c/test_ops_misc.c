@@ -596,6 +596,12 @@ Test(sort, orders_each_row_keeping_equal_values_in_their_order) {
         }
         tt_free(&k);
     }
+    tt_case e = {0}; /* rows of no values: nothing to order, and no scratch */
+    tt_tensor(&e, 2, KW_F32, 2, TT_DIMS(3, 0), NULL, -3, 3, &r);
+    tt_tensor(&e, 0, KW_F32, 2, TT_DIMS(3, 0), NULL, 0, 0, &r);
+    tt_tensor(&e, 1, KW_I64, 2, TT_DIMS(3, 0), NULL, 0, 0, &r);
+    for (int nth = 1; nth <= 3; nth++) tt_run(KW_OP_SORT, kw_cpu_isa(), &e.c, nth);
+    tt_free(&e);
 }
 
 /* ---- bmm: slots y 0, a 1, b 2, c 3 (optional); fp[0] alpha, fp[1] beta ---- */
