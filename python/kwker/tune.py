@@ -56,6 +56,11 @@ MIN_ROUNDS, SEPARATED_ROUNDS, MAX_ROUNDS, BUDGET_S, CLEAR = 3, 2, 15, 1.0, 1.5
 # kept. For the same reason they stand in for the second of the SEPARATED_ROUNDS
 # there (GPT-2 at batch 8 in float32: plan 7 % under Inductor, apart after one
 # timed round of 1.8 s).
+# A candidate other than the reference whose SEPARATED_ROUNDS calls (first runs
+# counted where they stand in for a round) were each slower than each of another
+# candidate's cannot be kept: it sits out later rounds, the same evidence as for
+# stopping them all (GPT-2 at batch 8 in float32: eager at 0.69-0.74 s a call,
+# the plan at 0.49-0.53 and Inductor within 3 % of it, so rounds go on).
 
 # How far a candidate's floating outputs may be from the reference's, by dtype, as
 # the relative L2 distance ‖out − ref‖ / ‖ref‖: the same computation summed in
@@ -222,13 +227,15 @@ def _median_ms(built: dict[str, Callable], run: Callable[[Callable], object],
     """Interleaved rounds over `built`, after the times (s) some have already.
     Where the first runs took longer than the budget, they stand in for the
     second of the SEPARATED_ROUNDS: a first run is no faster than its candidate,
-    so with them the fastest's slowest call can only be later."""
+    so with them the fastest's slowest call can only be later. A candidate
+    those calls show slower than another (_outrun) sits out the later rounds."""
     times = {name: list(times.get(name, [])) for name in built}
     long_calls = sum(first[name] for name in built) > BUDGET_S
+    timed = dict(built)
     start = time.perf_counter()
     for round_ in range(MAX_ROUNDS):
-        if round_ >= SEPARATED_ROUNDS and _separated(times) or \
-                long_calls and round_ >= 1 and _separated({n: t + [first[n]] for n, t in times.items()}):
+        calls = {n: t + [first[n]] for n, t in times.items()} if long_calls else times
+        if round_ >= SEPARATED_ROUNDS and _separated(times) or long_calls and round_ >= 1 and _separated(calls):
             break
         spent = time.perf_counter() - start
         if round_ >= MIN_ROUNDS and spent > BUDGET_S:
@@ -236,11 +243,21 @@ def _median_ms(built: dict[str, Callable], run: Callable[[Callable], object],
         if round_ >= 1 and spent * (round_ + 1) / round_ > BUDGET_S and \
                 (_unbeaten(times, reference) or _separated(times, CLEAR)):
             break  # another round would end past the budget, and could not change the choice
-        for name, fn in built.items():
+        for name in _outrun(calls, reference):
+            timed.pop(name, None)
+        for name, fn in timed.items():
             t = time.perf_counter()
             run(fn)
             times[name].append(time.perf_counter() - t)
     return {name: statistics.median(t) * 1e3 for name, t in times.items()}
+
+
+def _outrun(calls: dict[str, list[float]], reference: str) -> set[str]:
+    """The candidates other than the reference whose every call, of SEPARATED_ROUNDS
+    at least, was slower than every call of another's: timed no more."""
+    enough = {name: t for name, t in calls.items() if len(t) >= SEPARATED_ROUNDS}
+    return {name for name, t in enough.items()
+            if name != reference and any(min(t) > max(u) for other, u in enough.items() if other != name)}
 
 
 def _unbeaten(times: dict[str, list[float]], reference: str) -> bool:

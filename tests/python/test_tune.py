@@ -124,6 +124,33 @@ def test_calls_longer_than_the_budget_get_fewer_rounds_where_more_could_not_chan
     assert runs["ref"] >= 3 and runs["fast"] >= 2 and choice.name == "fast"  # 0.4 is not 1.5x under 0.5: timed
 
 
+@pytest.mark.usefixtures("virtual_time")
+def test_a_candidate_two_calls_show_slower_than_another_sits_out_the_later_rounds():
+    x = torch.ones(3)
+    runs = {}
+
+    def counted(name, *seconds):  # each run sleeps the next of `seconds`, in turn
+        def run(*inputs):
+            kwker.tune.time.sleep(seconds[runs.get(name, 0) % len(seconds)])
+            runs[name] = runs.get(name, 0) + 1
+            return (x.clone(),)
+        return lambda: run
+
+    # short calls: the reference and `close` overlap, so rounds go on to the budget; `slow` after two rounds
+    choice = choose({"ref": counted("ref", 0.02), "close": counted("close", 0.015, 0.021),
+                     "slow": counted("slow", 0.04)}, [], "ref")
+    assert runs["slow"] == 1 + 2 and runs["ref"] == runs["close"] > 1 + 3, runs
+    assert choice.name == "ref" and choice.ms["slow"] == pytest.approx(40)
+    runs.clear()  # long calls: the first runs count as one of the two, so `slow` runs in one round only
+    choice = choose({"ref": counted("ref", 0.6, 0.6, 0.5), "close": counted("close", 0.5, 0.5, 0.62),
+                     "slow": counted("slow", 0.9)}, [], "ref")
+    assert runs == {"ref": 1 + 1 + 3, "close": 1 + 3, "slow": 1 + 1} and choice.name == "close", runs
+    runs.clear()  # the reference is never left out: the margin is measured against it
+    choice = choose({"ref": counted("ref", 0.04), "fast": counted("fast", 0.015, 0.019),
+                     "close": counted("close", 0.016, 0.02)}, [], "ref")
+    assert runs["ref"] == runs["fast"] == runs["close"] > 1 + 3 and choice.name == "fast", runs
+
+
 def test_a_gate_sees_steady_times_and_its_candidate_is_not_built_when_it_says_why():
     x = torch.ones(3)
     calls = {"ref": 0}
