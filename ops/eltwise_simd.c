@@ -76,16 +76,13 @@ void KW__ISA_NAME(kw__silu_mul_share)(const kw__ew *e, int ith, int nth) {
         }
 }
 
-/* erf: ATen's vectorised formula. tanh: 0.5·x·(1 + tanh(u)) = x·sigmoid(2u), which
- * keeps its relative accuracy where 1 + tanh(u) cancels. */
+/* erf: simd.h's. tanh: 0.5·x·(1 + tanh(u)) = x·sigmoid(2u), which keeps its
+ * relative accuracy where 1 + tanh(u) cancels. */
 static inline kw_v gelu_v(kw_v x, int mode) {
-    const kw_v one = kw_v_set1(1.0f);
-    if (mode == KW_GELU_ERF)
-        return kw_v_mul(kw_v_mul(x, kw_v_set1(0.5f)),
-                        kw_v_add(one, kw_v_erf(kw_v_mul(x, kw_v_set1(0.70710678118654752f)))));
+    if (mode == KW_GELU_ERF) return kw_v_gelu_erf(x);
     const kw_v cube = kw_v_mul(kw_v_mul(x, x), x);
     const kw_v u = kw_v_mul(kw_v_set1(0.79788456080286536f), kw_v_add(x, kw_v_mul(kw_v_set1(0.044715f), cube)));
-    return kw_v_div(x, kw_v_add(one, kw_v_exp(kw_v_mul(u, kw_v_set1(-2.0f)))));
+    return kw_v_div(x, kw_v_add(kw_v_set1(1.0f), kw_v_exp(kw_v_mul(u, kw_v_set1(-2.0f)))));
 }
 
 void KW__ISA_NAME(kw__gelu_mul_share)(const kw__ew *e, int ith, int nth) {

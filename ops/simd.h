@@ -332,6 +332,22 @@ static inline kw_v kw_v_round_to(kw_v v, kw_dtype dt) {
 
 /* ---- transcendental functions ---- */
 
+/* e^x for x in [-87.3, 88.8], NaN passing through: 2^n · e^r with n = round(x / ln 2)
+ * and r = x - n ln 2 (Cephes' expf polynomial, about 1 ulp). */
+static inline kw_v kw__v_exp_in_range(kw_v x) {
+    const kw_v n = kw_v_round(kw_v_mul(x, kw_v_set1(1.44269504088896341f)));
+    kw_v r = kw_v_fnmadd(n, kw_v_set1(0.693359375f), x);
+    r = kw_v_fnmadd(n, kw_v_set1(-2.12194440e-4f), r);
+    kw_v p = kw_v_set1(1.9875691500e-4f);
+    p = kw_v_fmadd(p, r, kw_v_set1(1.3981999507e-3f));
+    p = kw_v_fmadd(p, r, kw_v_set1(8.3334519073e-3f));
+    p = kw_v_fmadd(p, r, kw_v_set1(4.1665795894e-2f));
+    p = kw_v_fmadd(p, r, kw_v_set1(1.6666665459e-1f));
+    p = kw_v_fmadd(p, r, kw_v_set1(5.0000001201e-1f));
+    p = kw_v_fmadd(kw_v_mul(p, r), r, kw_v_add(r, kw_v_set1(1.0f)));
+    return kw__v_ldexp(p, n);
+}
+
 /* expf to about 1 ulp (Cephes' polynomial): NaN stays NaN, -inf gives 0, +inf
  * gives inf. Results below FLT_MIN (x under ln FLT_MIN) are zero, not denormal:
  * an Intel core takes a microcode assist for each instruction that makes a
@@ -343,32 +359,29 @@ static inline kw_v kw_v_round_to(kw_v v, kw_dtype dt) {
 static inline kw_v kw_v_exp(kw_v x) {
     const unsigned normal = kw_v_nle_bits(x, kw_v_set1(-87.3365f)); /* NaN too */
     x = kw_v_min(kw_v_set1(88.8f), kw_v_max(kw_v_set1(-87.3365f), x)); /* NaN passes through */
-    const kw_v n = kw_v_round(kw_v_mul(x, kw_v_set1(1.44269504088896341f)));
-    kw_v r = kw_v_fnmadd(n, kw_v_set1(0.693359375f), x);
-    r = kw_v_fnmadd(n, kw_v_set1(-2.12194440e-4f), r);
-    kw_v p = kw_v_set1(1.9875691500e-4f);
-    p = kw_v_fmadd(p, r, kw_v_set1(1.3981999507e-3f));
-    p = kw_v_fmadd(p, r, kw_v_set1(8.3334519073e-3f));
-    p = kw_v_fmadd(p, r, kw_v_set1(4.1665795894e-2f));
-    p = kw_v_fmadd(p, r, kw_v_set1(1.6666665459e-1f));
-    p = kw_v_fmadd(p, r, kw_v_set1(5.0000001201e-1f));
-    p = kw_v_fmadd(kw_v_mul(p, r), r, kw_v_add(r, kw_v_set1(1.0f)));
-    return kw_v_blend_bits(normal, kw__v_ldexp(p, n), kw_v_zero());
+    return kw_v_blend_bits(normal, kw__v_exp_in_range(x), kw_v_zero());
 }
 
-/* erf as ATen's vectorised erf computes it (Abramowitz & Stegun 7.1.26, absolute
- * error below 1.5e-7), so GELU agrees with PyTorch's CPU kernel. */
-static inline kw_v kw_v_erf(kw_v x) {
-    const kw_v sign = kw_v_and(x, kw_v_set1(-0.0f)), ax = kw_v_abs(x), one = kw_v_set1(1.0f);
-    const kw_v d = kw_v_fmadd(kw_v_set1(0.3275911f), ax, one), t0 = kw__v_rcp_estimate(d);
+/* GELU, x·Φ(x) = 0.5·x·(1 + erf(x / √2)), with ATen's erf (Abramowitz & Stegun
+ * 7.1.26, absolute error below 1.5e-7): erf(a) = 1 - w for a >= 0, w = t·P(t)·e^(-a²),
+ * t = 1 / (1 + p·a). So GELU is relu(x) - 0.5·|x|·w on both sides of 0, with no
+ * sign to take off and put back, and e^(-x²/2) needs no test for underflow when
+ * clamped at -80: GELU is under 1e-35 in magnitude there either way, and e stays
+ * normal (a denormal costs a microcode assist). ViT-base's MLP at batch 8 (1576 ×
+ * 3072) on a 2-vCPU Xeon: 1.20 ms a call in bf16 and 1.09 in f32, against 1.44
+ * and 1.49 with erf taken alone and PyTorch's (oneDNN's) 0.96 and 0.90. ±inf
+ * give NaN, as PyTorch's. */
+static inline kw_v kw_v_gelu_erf(kw_v x) {
+    const kw_v ax = kw_v_abs(x), hx = kw_v_mul(ax, kw_v_set1(0.5f)), one = kw_v_set1(1.0f);
+    const kw_v d = kw_v_fmadd(kw_v_set1(0.3275911f * 0.70710678118654752f), ax, one), t0 = kw__v_rcp_estimate(d);
     const kw_v t = kw_v_fmadd(t0, kw_v_fnmadd(d, t0, one), t0); /* 1 / d, one Newton step */
     kw_v r = kw_v_fmadd(kw_v_set1(1.061405429f), t, kw_v_set1(-1.453152027f));
     r = kw_v_fmadd(r, t, kw_v_set1(1.421413741f));
     r = kw_v_fmadd(r, t, kw_v_set1(-0.284496736f));
     r = kw_v_fmadd(r, t, kw_v_set1(0.254829592f));
-    const kw_v e = kw_v_exp(kw_v_xor(kw_v_mul(x, x), kw_v_set1(-0.0f)));
-    const kw_v y = kw_v_fmadd(kw_v_xor(kw_v_mul(e, t), kw_v_set1(-0.0f)), r, one);
-    return kw_v_xor(y, sign);
+    const kw_v e = kw__v_exp_in_range(kw_v_max(kw_v_set1(-80.0f), kw_v_fnmadd(hx, ax, kw_v_zero())));
+    const kw_v w = kw_v_mul(kw_v_mul(t, r), e);
+    return kw_v_fnmadd(hx, w, kw_v_max(kw_v_zero(), x)); /* NaN: through hx */
 }
 
 #endif

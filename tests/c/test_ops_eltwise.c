@@ -230,6 +230,22 @@ Test(gelu, every_variant_matches_the_reference) {
     }
 }
 
+/* The erf form's clamps and signs: far tails (e^(-x²/2) clamped), values at and
+ * around zero (denormals too) and NaN, in every variant against the reference. */
+Test(gelu, tails_zeros_and_nan_match_the_reference) {
+    static const double v[] = {-100, -30, -13.5, -9, -5.5, -1e-30, -1e-40, -0.0, 0, 1e-40, 1e-30, 5.5, 9, 30, 100, NAN};
+    tt_rng r = {29};
+    for (int d = 0; d < 2; d++) {
+        tt_case k = {0};
+        kw_tensor *x = tt_tensor(&k, 1, fdt[d], 1, TT_DIMS(48), NULL, -1, 1, &r);
+        tt_tensor(&k, 0, fdt[d], 1, TT_DIMS(48), NULL, 0, 0, &r);
+        for (int64_t i = 0; i < 48; i++) tt_set(x, &i, v[i % 16]);
+        k.c.ip[0] = KW_GELU_ERF;
+        tt_check_variants(KW_OP_GELU, &k, (tt_tol){1e-6, 2e-6}, "gelu tails");
+        tt_free(&k);
+    }
+}
+
 Test(gelu, reference_matches_double_precision) {
     tt_rng r = {27};
     for (int mode = 0; mode < 2; mode++) {
