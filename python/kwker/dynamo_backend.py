@@ -12,7 +12,7 @@ from kwker.decode import compile_decode_step
 from kwker.freeze import FrozenGraph, cannot_win, worth_freezing
 from kwker.lower import NotLowerable
 from kwker.options import KwkerOptions, parse_options
-from kwker.plan import compile_plan, inputs_written
+from kwker.plan import compile_plan, inputs_written, reserve_weights
 from kwker.rewrite import rewrite_language_model
 from kwker.routing import route_graph, size_inputs, unfit_for_kernels
 from kwker.threads import warn_once_if_openmp_spins
@@ -85,16 +85,17 @@ def tune_inference(gm: torch.fx.GraphModule, example_inputs, opts: KwkerOptions)
     writes are put back after every run. A graph with random ops goes to
     Inductor untimed, as before tuning: every candidate draws other numbers
     than eager, the truth."""
+    unfit = unfit_for_kernels(gm, example_inputs)
+    arena = None if unfit else reserve_weights(gm, example_inputs)  # faults in while Inductor compiles
     aten_gm, written, why_not = traced(gm, example_inputs)
     if why_not:
         return "inductor", compile_with_inductor(gm, example_inputs, opts), {"why": why_not}
     plan_detail = {}
 
     def build_plan():
-        unfit = unfit_for_kernels(gm, example_inputs)
         if unfit:
             raise NotLowerable(unfit)
-        plan, detail = compile_plan(gm, example_inputs, opts.glue, aten_gm=aten_gm)
+        plan, detail = compile_plan(gm, example_inputs, opts.glue, aten_gm=aten_gm, arena=arena)
         plan_detail.update(detail)
         return plan
 

@@ -456,6 +456,43 @@ def test_a_kn_weight_like_gpt2s_conv1d_is_read_as_a_transposed_copy_by_onednn_or
     assert made["plan"].dump().count("matmul_dnnl") == (2 if by_onednn else 0)
 
 
+def test_a_tuned_plans_weight_copies_go_to_memory_reserved_before_inductor_compiles(monkeypatch):
+    """The copies' memory faults in while the other candidates compile: reserved
+    at the plan's build, each weight's watch (GPT-2's at batch 8) waited on the
+    pages still faulting in."""
+    from transformers.pytorch_utils import Conv1D
+
+    import kwker.dynamo_backend
+    import kwker.plan
+
+    events, arenas = [], []
+    reserve, inductor = kwker.plan.reserve_weights, kwker.dynamo_backend.compile_with_inductor
+
+    def reserve_first(*args, **kwargs):
+        events.append("reserve")
+        arenas.append(reserve(*args, **kwargs))
+        return arenas[-1]
+
+    def reserve_again(*args, **kwargs):
+        events.append("reserve at the plan's build")
+        return reserve(*args, **kwargs)
+
+    def compile_with_inductor(*args, **kwargs):
+        events.append("inductor")
+        return inductor(*args, **kwargs)
+
+    monkeypatch.setattr(kwker.dynamo_backend, "reserve_weights", reserve_first)
+    monkeypatch.setattr(kwker.plan, "reserve_weights", reserve_again)
+    monkeypatch.setattr(kwker.dynamo_backend, "compile_with_inductor", compile_with_inductor)
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(Conv1D(96, 64), torch.nn.GELU(), Conv1D(64, 96)).eval()
+    x = torch.randn(1, 40, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(torch.compile(net, backend="kwker")(x), net(x), **PLAN_TOLERANCE[torch.float32])
+    assert events == ["reserve", "inductor"], events
+    assert 0 < arenas[0].used <= arenas[0].capacity  # the transposed copies were cut from it
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_t5s_per_head_position_bias_and_relu_mlp_are_native_steps(dtype):
     """T5's attention adds a position bias of its own to each head (a mask
