@@ -15,6 +15,8 @@ own: closer medians are within this machine's noise, and "never slower than
 Inductor" matters more than a percent.
 """
 
+import contextlib
+import gc
 import logging
 import math
 import statistics
@@ -146,16 +148,19 @@ def choose(builders: dict[str, Callable[[], Callable]], inputs: list, reference:
     for name, build in builders.items():
         gate = (gates or {}).get(name)
         if gate is not None:
-            why = gate(_gate_ms(built, outputs, times, truth or reference, tolerance, run_and_restore))
+            with _collector_paused():
+                steady = _gate_ms(built, outputs, times, truth or reference, tolerance, run_and_restore)
+            why = gate(steady)
             if why:
                 left_out[name] = why
                 continue
         start = ran = time.perf_counter()
         try:
             fn = build()
-            ran = time.perf_counter()
-            outputs[name] = run_and_restore(fn)
-            first[name] = time.perf_counter() - ran
+            with _collector_paused():
+                ran = time.perf_counter()
+                outputs[name] = run_and_restore(fn)
+                first[name] = time.perf_counter() - ran
             built[name] = fn
         except Exception as e:
             if name == reference:
@@ -170,16 +175,32 @@ def choose(builders: dict[str, Callable[[], Callable]], inputs: list, reference:
             del built[name]
     for name, why in left_out.items():
         (log.warning if name == reference else log.info)("candidate %s left out: %s", name, why)
-    ms = _first_runs_ms(first, times, built, reference, run_and_restore)
-    how = "first runs" if ms else "medians"
-    if ms is None:
-        ms = _median_ms(built, run_and_restore, {name: t for name, t in times.items() if name in built}, reference,
-                        first)
+    with _collector_paused():
+        ms = _first_runs_ms(first, times, built, reference, run_and_restore)
+        how = "first runs" if ms else "medians"
+        if ms is None:
+            ms = _median_ms(built, run_and_restore, {name: t for name, t in times.items() if name in built},
+                            reference, first)
     best = _fastest(ms, reference)
     log.info("candidates (%s) %s: %s kept", how, ", ".join(f"{n} {t:.3f} ms" for n, t in ms.items()), best)
     rest = {n: t for n, t in ms.items() if n != best}
     fallback = built[_fastest(rest, reference)] if best != reference and rest else None
     return Choice(best, built[best], ms, left_out, fallback)
+
+
+@contextlib.contextmanager
+def _collector_paused():
+    """Python's garbage collector off while candidates are timed, as timeit turns
+    it off: a full collection after a compile's objects took 0.18-0.29 s (GPT-2
+    at batch 8), in whichever timed call made the object that set it off (most
+    often eager's, whose ops are Python calls). It runs after, outside the timing."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def _fastest(ms: dict[str, float], reference: str) -> str:

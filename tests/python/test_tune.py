@@ -151,6 +151,26 @@ def test_a_candidate_two_calls_show_slower_than_another_sits_out_the_later_round
     assert runs["ref"] == runs["fast"] == runs["close"] > 1 + 3 and choice.name == "fast", runs
 
 
+@pytest.mark.usefixtures("virtual_time")
+def test_candidates_run_with_the_garbage_collector_paused_and_it_is_left_as_it_was():
+    x = torch.ones(3)
+    collecting = []  # gc.isenabled() at each run
+
+    def run(*inputs):
+        collecting.append(gc.isenabled())
+        return (x.clone(),)
+
+    builders = {"ref": lambda: run, "other": lambda: run, "gated": lambda: run}
+    choose(builders, [], "ref", gates={"gated": lambda ms: None})
+    assert len(collecting) > 3 and not any(collecting) and gc.isenabled()  # gate, first runs, rounds
+    gc.disable()
+    try:
+        choose(builders, [], "ref")
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
 def test_a_gate_sees_steady_times_and_its_candidate_is_not_built_when_it_says_why():
     x = torch.ones(3)
     calls = {"ref": 0}
