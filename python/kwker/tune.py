@@ -249,7 +249,9 @@ def _median_ms(built: dict[str, Callable], run: Callable[[Callable], object],
     Where the first runs took longer than the budget, they stand in for the
     second of the SEPARATED_ROUNDS: a first run is no faster than its candidate,
     so with them the fastest's slowest call can only be later. A candidate
-    those calls show slower than another (_outrun) sits out the later rounds."""
+    those calls show slower than another (_outrun) sits out the later rounds;
+    one with a call already made in a round's place (a gate's steady run, the
+    reference's second run) is not run in that round."""
     times = {name: list(times.get(name, [])) for name in built}
     long_calls = sum(first[name] for name in built) > BUDGET_S
     timed = dict(built)
@@ -267,6 +269,8 @@ def _median_ms(built: dict[str, Callable], run: Callable[[Callable], object],
         for name in _outrun(calls, reference):
             timed.pop(name, None)
         for name, fn in timed.items():
+            if len(times[name]) > round_:
+                continue
             t = time.perf_counter()
             run(fn)
             times[name].append(time.perf_counter() - t)
