@@ -1,6 +1,7 @@
 """Tuned inference graphs: the candidates kwker times and the one it keeps."""
 
 import copy
+import functools
 import gc
 import time
 
@@ -13,6 +14,17 @@ from kwker import summary
 from kwker.tune import MARGIN, choose
 
 pytestmark = pytest.mark.usefixtures("fresh_compile_state")
+
+
+def counting(runs: dict[str, int], name: str, *seconds):
+    """A candidate whose runs sleep the next of `seconds` in turn, by the clock
+    kwker.tune reads, each counted in runs[name]."""
+    def run(*inputs):
+        kwker.tune.time.sleep(seconds[runs.get(name, 0) % len(seconds)])
+        runs[name] = runs.get(name, 0) + 1
+        return (torch.ones(3),)
+
+    return lambda: run
 
 
 def taking(seconds, result):
@@ -56,15 +68,8 @@ def test_the_fastest_candidate_is_kept_and_the_reference_within_the_margin():
 
 
 def test_rounds_of_timing_stop_where_more_could_not_change_the_choice(monkeypatch):
-    x = torch.ones(3)
-    runs = {"ref": 0, "fast": 0, "close": 0}
-
-    def counted(name, *seconds):  # each run sleeps the next of `seconds`, in turn
-        def run(*inputs):
-            time.sleep(seconds[runs[name] % len(seconds)])
-            runs[name] += 1
-            return (x.clone(),)
-        return lambda: run
+    runs = {}
+    counted = functools.partial(counting, runs)
 
     choose({"ref": counted("ref", 0.02), "fast": counted("fast", 0.0)}, [], "ref")
     assert runs["ref"] == runs["fast"] == 1 + 2  # the check run, then two separated rounds (within the budget)
@@ -89,13 +94,7 @@ def test_rounds_of_timing_stop_where_more_could_not_change_the_choice(monkeypatc
 def test_calls_longer_than_the_budget_get_fewer_rounds_where_more_could_not_change_the_choice():
     x = torch.ones(3)
     runs = {}
-
-    def counted(name, *seconds):  # each run sleeps the next of `seconds`, in turn
-        def run(*inputs):
-            kwker.tune.time.sleep(seconds[runs.get(name, 0) % len(seconds)])
-            runs[name] = runs.get(name, 0) + 1
-            return (x.clone(),)
-        return lambda: run
+    counted = functools.partial(counting, runs)
 
     choice = choose({"ref": counted("ref", 0.6), "fast": counted("fast", 0.3)}, [], "ref")
     assert choice.name == "fast" and runs == {"ref": 1 + 1, "fast": 1 + 1}  # 2x apart: one round is enough
@@ -129,15 +128,8 @@ def test_calls_longer_than_the_budget_get_fewer_rounds_where_more_could_not_chan
 
 @pytest.mark.usefixtures("virtual_time")
 def test_a_candidate_two_calls_show_slower_than_another_sits_out_the_later_rounds():
-    x = torch.ones(3)
     runs = {}
-
-    def counted(name, *seconds):  # each run sleeps the next of `seconds`, in turn
-        def run(*inputs):
-            kwker.tune.time.sleep(seconds[runs.get(name, 0) % len(seconds)])
-            runs[name] = runs.get(name, 0) + 1
-            return (x.clone(),)
-        return lambda: run
+    counted = functools.partial(counting, runs)
 
     # short calls: the reference and `close` overlap, so rounds go on to the budget; `slow` after two rounds
     choice = choose({"ref": counted("ref", 0.02), "close": counted("close", 0.015, 0.021),
