@@ -85,11 +85,11 @@ def tune_inference(gm: torch.fx.GraphModule, example_inputs, opts: KwkerOptions)
     writes are put back after every run. A graph with random ops goes to
     Inductor untimed, as before tuning: every candidate draws other numbers
     than eager, the truth."""
-    unfit = unfit_for_kernels(gm, example_inputs)
-    arena = None if unfit else reserve_weights(gm, example_inputs)  # faults in while Inductor compiles
     aten_gm, written, why_not = traced(gm, example_inputs)
     if why_not:
         return "inductor", compile_with_inductor(gm, example_inputs, opts), {"why": why_not}
+    unfit = unfit_for_kernels(gm, example_inputs)
+    arena = None if unfit else reserve_weights(gm, example_inputs)  # faults in while Inductor compiles
     plan_detail = {}
 
     def build_plan():
