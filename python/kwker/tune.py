@@ -191,9 +191,9 @@ def choose(builders: dict[str, Callable[[], Callable]], inputs: list, reference:
 @contextlib.contextmanager
 def _collector_paused():
     """Python's garbage collector off while candidates are timed, as timeit turns
-    it off: a full collection after a compile's objects took 0.18-0.29 s (GPT-2
-    at batch 8), in whichever timed call made the object that set it off (most
-    often eager's, whose ops are Python calls). It runs after, outside the timing."""
+    it off: a full collection during a compile took 0.18-0.35 s (GPT-2 at batch
+    8), and would fall in whichever timed call made the object that set it off.
+    It runs after, outside the timing."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:
