@@ -16,7 +16,7 @@ from kwker.plan import compile_plan, inputs_written, reserve_weights
 from kwker.rewrite import rewrite_language_model
 from kwker.routing import route_graph, size_inputs, unfit_for_kernels
 from kwker.threads import warn_once_if_openmp_spins
-from kwker.tune import TRAINING_TOLERANCE, choose, forward_and_backward
+from kwker.tune import TRAINING_TOLERANCE, FirstCallServed, choose, forward_and_backward
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +110,8 @@ def tune_inference(gm: torch.fx.GraphModule, example_inputs, opts: KwkerOptions)
     detail = {"candidates": choice.ms, "choice": choice.name, "left_out": choice.left_out}
     if choice.name == "plan":
         detail.update(plan_detail, plan=choice.fn)
-    return "tuned", choice.fn, detail
+    served = choice.fn if choice.outputs is None else FirstCallServed(choice.fn, example_inputs, choice.outputs)
+    return "tuned", served, detail
 
 
 def tune_training(gm: torch.fx.GraphModule, example_inputs, opts: KwkerOptions):

@@ -3,6 +3,7 @@
 import copy
 import functools
 import gc
+import logging
 import time
 
 import pytest
@@ -11,7 +12,7 @@ import torch
 import kwker
 import kwker.tune
 from kwker import summary
-from kwker.tune import MARGIN, choose
+from kwker.tune import MARGIN, FirstCallServed, choose
 
 pytestmark = pytest.mark.usefixtures("fresh_compile_state")
 
@@ -241,6 +242,41 @@ def test_an_inference_graph_is_tuned_and_gives_eagers_outputs():
     assert graph.kind == "tuned" and graph.choice in graph.candidates, kwker.report()
     assert set(graph.candidates) | set(graph.left_out) == {"inductor", "eager", "plan"}, kwker.report()
     assert f"tuned: {graph.choice}" in kwker.report()
+
+
+@pytest.mark.usefixtures("virtual_time")
+def test_the_first_call_gets_the_tunings_outputs_only_for_the_very_inputs_unchanged():
+    runs = {}
+    counted = functools.partial(counting, runs)
+    x, w = torch.randn(3), torch.randn(3)
+    choice = choose({"ref": counted("ref", 0.02), "fast": counted("fast", 0.01)}, [x, w], "ref")
+    assert choice.name == "fast"
+    timed = runs["fast"]
+    served = FirstCallServed(choice.fn, [x, w], choice.outputs)
+    assert served(x, w) is choice.outputs and runs["fast"] == timed
+    assert served(x, w) is not choice.outputs and runs["fast"] == timed + 1  # later calls run
+    served = FirstCallServed(choice.fn, [x, w], choice.outputs)
+    x.add_(0.0)  # written in place (the same values)
+    assert served(x, w) is not choice.outputs
+    served = FirstCallServed(choice.fn, [x, w], choice.outputs)
+    assert served(x.clone(), w) is not choice.outputs  # an equal tensor, not x
+    with torch.inference_mode():  # no version count to show it unchanged
+        y = torch.randn(3)
+    assert FirstCallServed(choice.fn, [y, w], choice.outputs)(y, w) is not choice.outputs
+    written = choose({"ref": counted("ref", 0.02)}, [x], "ref", written=[x])
+    assert written.outputs is None  # a graph that writes its inputs must write them again
+
+
+def test_torch_compiles_first_call_after_tuning_is_not_run_again(caplog):
+    mlp = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 32)).eval()
+    x = torch.randn(4, 64)
+    with torch.no_grad(), caplog.at_level(logging.DEBUG, logger="kwker.tune"):
+        compiled = torch.compile(mlp, backend="kwker")
+        torch.testing.assert_close(compiled(x), mlp(x), rtol=1e-4, atol=1e-5)
+        assert "first call: the tuning's outputs" in caplog.text
+        caplog.clear()
+        torch.testing.assert_close(compiled(x), mlp(x), rtol=1e-4, atol=1e-5)
+        assert "first call" not in caplog.text
 
 
 def writable(t: torch.Tensor) -> bool:
