@@ -58,6 +58,12 @@ MIN_ROUNDS, SEPARATED_ROUNDS, MAX_ROUNDS, BUDGET_S, CLEAR = 3, 2, 15, 1.0, 1.5
 # kept. For the same reason they stand in for the second of the SEPARATED_ROUNDS
 # there (GPT-2 at batch 8 in float32: plan 7 % under Inductor, apart after one
 # timed round of 1.8 s).
+# Where calls are that long, the first runs stand in for the third of the
+# MIN_ROUNDS too: two timed rounds are the most that candidates that overlap get.
+# A third would take the median of three calls instead of two for a round of
+# every candidate (ViT-base at batch 8 in float32 on the Intel VM: 1.07-1.11 s a
+# call, all three within 4 %, 3.3 s a round; one first compile took 23 s against
+# Inductor's 10.7, where others took 14.4-14.9, as a third round and more would).
 # A candidate other than the reference whose SEPARATED_ROUNDS calls (first runs
 # counted where they stand in for a round) were each slower than each of another
 # candidate's cannot be kept: it sits out later rounds, the same evidence as for
@@ -285,7 +291,9 @@ def _median_ms(built: dict[str, Callable], run: Callable[[Callable], object],
     """Interleaved rounds over `built`, after the times (s) some have already.
     Where the first runs took longer than the budget, they stand in for the
     second of the SEPARATED_ROUNDS: a first run is no faster than its candidate,
-    so with them the fastest's slowest call can only be later. A candidate
+    so with them the fastest's slowest call can only be later; and for the
+    third of the MIN_ROUNDS, so that two timed rounds are the most that
+    overlapping candidates get there (the medians are the timed calls'). A candidate
     those calls show slower than another (_outrun) sits out the later rounds;
     one with a call already made in a round's place (a gate's steady run, the
     reference's second run) is not run in that round."""
@@ -298,7 +306,7 @@ def _median_ms(built: dict[str, Callable], run: Callable[[Callable], object],
         if round_ >= SEPARATED_ROUNDS and _separated(times) or long_calls and round_ >= 1 and _separated(calls):
             break
         spent = time.perf_counter() - start
-        if round_ >= MIN_ROUNDS and spent > BUDGET_S:
+        if round_ >= MIN_ROUNDS - long_calls and spent > BUDGET_S:
             break
         if round_ >= 1 and spent * (round_ + 1) / round_ > BUDGET_S and \
                 (_unbeaten(times, reference) or _separated(times, CLEAR)):
