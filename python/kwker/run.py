@@ -9,7 +9,7 @@ these must be set before the interpreter starts (the dynamic loader reads
 them and replaces itself with a new interpreter running the program:
 
 - ``--jemalloc``: ``LD_PRELOAD`` of the system's jemalloc (Debian's ``libjemalloc2``)
-  with ``MALLOC_CONF`` as PyTorch's CPU tuning guide gives it (JEMALLOC_CONF below);
+  with ``MALLOC_CONF`` keeping freed pages mapped (JEMALLOC_CONF below);
 - ``--threads N``: ``OMP_NUM_THREADS=N``, which sets ``torch.get_num_threads()`` and
   so the size of kwker's own pool; by default, one thread per CPU the program may run on;
 - ``--cpus LIST`` (``0-3,6``): the CPUs the program may run on (as ``taskset -c``); with
@@ -29,13 +29,19 @@ import sys
 
 from kwker.threads import with_short_spin
 
-# PyTorch's CPU performance tuning guide: `oversize_threshold:1` puts every large
-# allocation (activations, Inductor's and eager's temporaries) in jemalloc's own
-# arena for them, `background_thread` returns memory off the calling thread, and
-# the decay times (about 100 days) keep freed pages mapped, so a tensor freed at
-# one step and allocated again at the next costs no mmap, munmap or page faults.
-JEMALLOC_CONF = ("oversize_threshold:1,background_thread:true,metadata_thp:auto,"
-                 "dirty_decay_ms:9000000000,muzzy_decay_ms:9000000000")
+# Freed pages are never given back to the system (decay -1), so a tensor freed at
+# one step and allocated again at the next costs no page faults. PyTorch's CPU
+# tuning guide gives `oversize_threshold:1,background_thread:true,
+# metadata_thp:auto,dirty_decay_ms:9000000000,muzzy_decay_ms:9000000000` for
+# that, but Debian's jemalloc 5.3 sets the decay of its arena for large
+# allocations (all of them with `oversize_threshold:1`; from 8 MiB by default)
+# to zero whenever the default decay is positive, however long: every such
+# tensor was fresh pages again (a 12.6 MB linear's output, 6 MB of softmax:
+# 6146 faults a step and 31.5 ms against glibc's 0 and 23.6; GPT-2 at batch 8
+# run eagerly: 360-380 thousand faults a call, 1.06-1.54 s). With -1 that arena
+# keeps the default and nothing is purged: 0 faults and 24.2 ms; GPT-2's call 2
+# faults and 0.75 s.
+JEMALLOC_CONF = "dirty_decay_ms:-1,muzzy_decay_ms:-1"
 
 JEMALLOC_NAMES = ("libjemalloc.so.2", "libjemalloc.so")
 
