@@ -24,7 +24,7 @@ from torch.fx import Node
 from kwker import _C
 from kwker.custom_ops import GELU_MODES, LINEAR_MULTI_OUTPUTS, ROTARY_HALF, ops
 from kwker.rewrite.match import val
-from kwker.weights import CopiedWeight, by_matmul, rows_per_call
+from kwker.weights import HUGE_PAGES_BELOW_ROWS, CopiedWeight, by_matmul, rows_per_call
 
 aten = torch.ops.aten
 P = _C.op_params()
@@ -147,17 +147,17 @@ class _Lowering:
     def arg_view(self, a) -> int | None:
         return None if a is None else self.view(val(a))
 
-    def weight_view(self, w: Node) -> int:
+    def weight_view(self, w: Node, x: Node) -> int:
         """A linear's weight: [N, K], or [K/B, N, B] when its copy is K-blocked
         (grouped_linear's: [E, N, K])
         (the copy's own layout, kwker.weights'). A model's own weight, read as
-        stored, is moved onto huge pages in place: streamed through 4 KiB pages
-        it read 20 % slower at 60 GB/s."""
+        stored by a linear of input x with few rows, is moved onto huge pages in
+        place (weights.HUGE_PAGES_BELOW_ROWS)."""
         if w.op == "get_attr" and w.target in self.copies:
             t = self.folded[w]
             buf, _ = self.buffers[storage_key(val(w))]
             return self.b.view(buf, t.dtype, tuple(t.shape), tuple(t.stride()), 0)
-        if w.op == "placeholder":
+        if w.op == "placeholder" and rows_per_call(val(x)) < HUGE_PAGES_BELOW_ROWS:
             _C.prefer_huge_pages(self.example_inputs[self.placeholder_index[w]])
         return self.view(val(w))
 
@@ -358,7 +358,7 @@ def _lower_linear(lw: _Lowering, node: Node):
     count where it measured faster (kw_ops.h), when the weight is [N, K] in x's
     dtype (matmul_dnnl refuses the rest; linear takes them)."""
     x, w, bias = node.args
-    views = [lw.view(val(node)), lw.view(val(x)), lw.weight_view(w), lw.arg_view(bias)]
+    views = [lw.view(val(node)), lw.view(val(x)), lw.weight_view(w, x), lw.arg_view(bias)]
     if by_matmul(val(x).dtype, rows_per_call(val(x))):
         try:
             return lw.op(node, "matmul_dnnl", views)
@@ -373,12 +373,12 @@ def _lower_linear_multi(lw: _Lowering, node: Node):
     if len(outs) > LINEAR_MULTI_OUTPUTS:
         return False
     outs += [None] * (LINEAR_MULTI_OUTPUTS - len(outs))
-    lw.op(node, "linear_multi", [*outs, lw.view(val(x)), lw.weight_view(w), lw.arg_view(bias)])
+    lw.op(node, "linear_multi", [*outs, lw.view(val(x)), lw.weight_view(w, x), lw.arg_view(bias)])
 
 
 def _lower_grouped_linear(lw: _Lowering, node: Node):
     x, w, offs = node.args
-    lw.op(node, "grouped_linear", [lw.view(val(node)), lw.view(val(x)), lw.weight_view(w), lw.view(val(offs))])
+    lw.op(node, "grouped_linear", [lw.view(val(node)), lw.view(val(x)), lw.weight_view(w, x), lw.view(val(offs))])
 
 
 def _lower_rms_norm(lw: _Lowering, node: Node):

@@ -77,6 +77,16 @@ def rows_per_call(x: torch.Tensor) -> int:
     return x.numel() // x.shape[-1] if x.dim() else 1
 
 
+# A model's own weight that a linear of fewer rows than this reads as stored is
+# moved onto 2 MiB pages at the plan's build (kwker._C.prefer_huge_pages): there
+# the kernels stream it, and through 4 KiB pages it read 20 % slower at 60 GB/s
+# (Zen 5 VM); on the Intel VM (28 GB/s) [3072, 768] weights read 5-13 % slower
+# in fp32 and 2-8 % in bf16 at 1-16 rows, within 3 % at 64 rows and the same from
+# 256. The move copies at about 0.55 GB/s: ViT-base's 73 weights in fp32 took
+# 0.5 s of its plan's build at batch 8 (1576 rows), where nothing is streamed.
+HUGE_PAGES_BELOW_ROWS = 64
+
+
 def by_matmul(dtype: torch.dtype, rows: int) -> bool:
     """Whether a linear of these rows over an input and weight of this dtype is oneDNN's."""
     return rows >= DNNL_MIN_ROWS.get(dtype, rows + 1)

@@ -13,6 +13,7 @@ import kwker
 import kwker.tune
 from kwker import summary
 from kwker.tune import MARGIN, FirstCallServed, choose
+from kwker.weights import HUGE_PAGES_BELOW_ROWS
 
 pytestmark = pytest.mark.usefixtures("fresh_compile_state")
 
@@ -506,6 +507,23 @@ def test_a_kn_weight_like_gpt2s_conv1d_is_read_as_a_transposed_copy_by_onednn_or
     assert detail["rewrites"]["linear"] == 2 and detail["fallback_ops"] == [], detail
     assert detail["copies"] == 2, detail
     assert made["plan"].dump().count("matmul_dnnl") == (2 if by_onednn else 0)
+
+
+def test_only_a_linear_of_few_rows_moves_the_models_weight_onto_huge_pages(monkeypatch):
+    """Streamed by few rows, a weight reads faster from 2 MiB pages; multiplied by
+    many, it does not, and the move costs a copy at the plan's build."""
+    moved = []
+    monkeypatch.setattr(kwker._C, "prefer_huge_pages", lambda t: moved.append(t) or 0)
+    linear = torch.nn.Linear(256, 512).eval()
+    for rows, expected in ((1, [linear.weight]), (HUGE_PAGES_BELOW_ROWS, [])):
+        moved.clear()
+        torch._dynamo.reset()
+        summary.clear()
+        with torch.no_grad():
+            torch.compile(linear, backend="kwker")(torch.randn(rows, 256))
+        (graph,) = summary.graphs()
+        assert "plan" in graph.candidates, kwker.report()
+        assert [t.data_ptr() for t in moved] == [t.data_ptr() for t in expected], rows
 
 
 def test_a_tuned_plans_weight_copies_go_to_memory_reserved_before_inductor_compiles(monkeypatch):
