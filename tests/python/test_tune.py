@@ -141,8 +141,14 @@ def test_a_candidate_two_calls_show_slower_than_another_sits_out_the_later_round
     runs.clear()  # long calls: the first runs count as one of the two, so `slow` runs in one round only,
     # and as the third of the least rounds: the others, overlapping, get two timed rounds
     choice = choose({"ref": counted("ref", 0.5, 0.6, 0.6, 0.5), "close": counted("close", 0.45, 0.5, 0.6, 0.5),
-                     "slow": counted("slow", 0.9)}, [], "ref")
+                     "slow": counted("slow", 0.55, 0.9)}, [], "ref")
     assert runs == {"ref": 1 + 2, "close": 1 + 2, "slow": 1 + 1} and choice.name == "close", runs
+    runs.clear()  # long calls, and a first run not under MARGIN of the reference's steady call: never timed,
+    # its first run its time
+    choice = choose({"ref": counted("ref", 0.5, 0.6, 0.6, 0.5), "close": counted("close", 0.45, 0.55, 0.6, 0.5),
+                     "slow": counted("slow", 0.6 * MARGIN, 0.3)}, [], "ref")
+    assert runs == {"ref": 1 + 2, "close": 1 + 2, "slow": 1} and choice.name == "close", runs
+    assert choice.ms["slow"] == pytest.approx(600 * MARGIN)
     runs.clear()  # the reference is never left out: the margin is measured against it
     choice = choose({"ref": counted("ref", 0.04), "fast": counted("fast", 0.015, 0.019),
                      "close": counted("close", 0.016, 0.02)}, [], "ref")
