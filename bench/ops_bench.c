@@ -18,6 +18,8 @@
  * attention_steps_us  attention of steps of L = 1, 5, 8 and 128 positions,
  *                SmolLM2-360M's heads (15 q, 5 kv, D 64), f32 and bf16, causal,
  *                ending at 512 of 1024 cached positions (--attention: only these).
+ * attention_encoder_us  ViT-base's attention at batch 8 (12 heads of 64, 197
+ *                positions, no mask), f32 and bf16 (--attention too).
  * dnnl_crossover linear vs matmul_dnnl over one layer's gate/up/down for M rows:
  *                f32, f32 x with linear on a bf16 copy (dnnl on f32), and bf16
  *                (--linear: only these).
@@ -396,6 +398,32 @@ static void attention_steps(kw_pool *pool, FILE *out) {
     fprintf(out, "]");
 }
 
+/* An encoder's attention, ViT-base's at batch 8: 12 heads of 64, 197 positions
+ * attending to all 197 (no mask), q, k, v and out as [B, L, H, D] memory viewed
+ * as [B, H, L, D], as the model's reshapes give them. */
+static double attention_encoder_us(kw_pool *pool, kw_dtype dt) {
+    const int64_t B = 8, H = 12, L = 197, D = 64, n = B * L * H * D;
+    const size_t bytes = (size_t)n * kw_dtype_size(dt);
+    char *t[4];
+    for (int i = 0; i < 4; i++) t[i] = alloc_or_die(bytes);
+    for (int64_t i = 0; i < n; i++)
+        put(t[1], i, dt, (float)(i % 61) / 61 - 0.5f), put(t[2], i, dt, (float)(i % 97) / 97 - 0.5f),
+            put(t[3], i, dt, (float)(i % 89) / 89);
+    kw_call c = {0};
+    for (int i = 0; i < 4; i++) c.t[i] = (kw_tensor){t[i], dt, 4, {B, H, L, D}, {L * H * D, D, H * D, 1}};
+    c.fp[0] = 0.125;
+    check_call(KW_OP_ATTENTION, &c);
+    const double us = per_op_us(pool, KW_OP_ATTENTION, &c, g_quick ? 5 : 25);
+    for (int i = 0; i < 4; i++) kw_mem_free(t[i], bytes);
+    return us;
+}
+
+static void attention_encoder(kw_pool *pool, FILE *out) {
+    fprintf(stderr, "attention of an encoder...\n");
+    fprintf(out, ", \"attention_encoder_us\": {\"float32\": %.1f, \"bfloat16\": %.1f}", attention_encoder_us(pool, KW_F32),
+            attention_encoder_us(pool, KW_BF16));
+}
+
 /* ---- linear vs matmul_dnnl for M rows over one layer's gate, up and down ---- */
 
 typedef struct mm_job {
@@ -534,6 +562,7 @@ static void everything_but_linear(kw_pool *pool, kw_pool *solo, const weights *w
     const double a256 = attention_us(pool, KW_BF16, 32, 8, 1, 128, 256), a4096 = attention_us(pool, KW_BF16, 32, 8, 1, 128, 4096);
     fprintf(out, ", \"attention_us\": {\"S256\": %.3f, \"S4096\": %.3f}", a256, a4096);
     attention_steps(pool, out);
+    attention_encoder(pool, out);
 
     fprintf(stderr, "decode ops...\n");
     fprintf(out, ", \"ops_us\": ");
@@ -569,6 +598,7 @@ int main(int argc, char **argv) {
             g_quick ? "true" : "false");
     if (attention_only) {
         attention_steps(pool, out);
+        attention_encoder(pool, out);
         fprintf(out, "}\n");
         return 0;
     }
