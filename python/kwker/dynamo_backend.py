@@ -1,12 +1,13 @@
 """The ``kwker`` backend for torch.compile, found by torch through the
 ``torch_dynamo_backends`` entry point."""
 
+import functools
 import logging
 import time
 
 import torch
 
-from kwker import guards, summary
+from kwker import choices, guards, summary
 from kwker.aten_graph import op_arguments, trace_to_aten
 from kwker.decode import compile_decode_step
 from kwker.freeze import FrozenGraph, cannot_win, worth_freezing
@@ -84,34 +85,67 @@ def tune_inference(gm: torch.fx.GraphModule, example_inputs, opts: KwkerOptions)
     on this call's inputs, the fastest kept (kwker.tune). The inputs the graph
     writes are put back after every run. A graph with random ops goes to
     Inductor untimed, as before tuning: every candidate draws other numbers
-    than eager, the truth."""
+    than eager, the truth. Where this graph was tuned before, in this process
+    or another, the candidate then kept is built alone (kwker.choices)."""
+    key = choices.key("inference", gm, example_inputs, opts)
+    plan_detail = {}
+
+    def build_plan(**traced_and_reserved):
+        plan, detail = compile_plan(gm, example_inputs, opts.glue, **traced_and_reserved)
+        plan_detail.update(detail)
+        return plan
+
+    builders = {"inductor": lambda: compile_with_inductor(gm, example_inputs, opts), "eager": lambda: gm,
+                "plan": build_plan, "frozen": lambda: FrozenGraph(gm, example_inputs, dict(opts.inductor_patches))}
+    recalled = recall("tuned", key, builders, plan_detail)
+    if recalled:
+        return recalled
     aten_gm, written, why_not = traced(gm, example_inputs)
     if why_not:
         return "inductor", compile_with_inductor(gm, example_inputs, opts), {"why": why_not}
     unfit = unfit_for_kernels(gm, example_inputs)
     arena = None if unfit else reserve_weights(gm, example_inputs)  # faults in while Inductor compiles
-    plan_detail = {}
-
-    def build_plan():
-        if unfit:
-            raise NotLowerable(unfit)
-        plan, detail = compile_plan(gm, example_inputs, opts.glue, aten_gm=aten_gm, arena=arena)
-        plan_detail.update(detail)
-        return plan
-
-    builders = {"inductor": lambda: compile_with_inductor(gm, example_inputs, opts), "eager": lambda: gm,
-                "plan": build_plan}
-    if worth_freezing(aten_gm) and not written:  # a written tensor is no constant
-        builders["frozen"] = lambda: FrozenGraph(gm, example_inputs, dict(opts.inductor_patches))
+    builders["plan"] = functools.partial(build_plan, aten_gm=aten_gm, arena=arena) if not unfit else \
+        functools.partial(_not_lowerable, unfit)
+    if not worth_freezing(aten_gm) or written:  # a written tensor is no constant
+        del builders["frozen"]
     choice = choose(builders, example_inputs, reference="inductor", truth="eager", written=written,
                     gates={"frozen": cannot_win})
+    choices.remember(key, choices.Record(choice.name, choice.fallback, choice.ms))
     if choice.name == "frozen" and choice.fallback is not None:  # else Dynamo's graph, FrozenGraph's own
-        choice.fn.fallback = choice.fallback
+        choice.fn.fallback = choice.built[choice.fallback]
     detail = {"candidates": choice.ms, "choice": choice.name, "left_out": choice.left_out}
     if choice.name == "plan":
         detail.update(plan_detail, plan=choice.fn)
     served = choice.fn if choice.outputs is None else FirstCallServed(choice.fn, example_inputs, choice.outputs)
     return "tuned", served, detail
+
+
+def _not_lowerable(why: str):
+    raise NotLowerable(why)
+
+
+def recall(kind: str, key: str, builders: dict, plan_detail: dict):
+    """(kind, the compiled graph, detail) from the choice remembered under key
+    (kwker.choices): the kept candidate built alone, and a frozen graph's
+    fallback; None where there is none, or it no longer builds (logged: the
+    graph is tuned again)."""
+    record = choices.recall(key)
+    if record is None:
+        return None
+    try:
+        fn = builders[record.choice]()
+        if record.choice == "frozen" and record.fallback is not None:
+            fn.fallback = builders[record.fallback]()
+    except Exception as e:  # noqa: BLE001 - tuned again, as without the record
+        log.warning("kwker: the remembered choice %r did not build (%s: %s); the graph is tuned again", record.choice,
+                    type(e).__name__, e)
+        return None
+    detail = {"candidates": record.candidates, "choice": record.choice, "recalled": True,
+              "why": "the choice remembered from an earlier tuning of this graph (kwker.choices)"}
+    if record.choice == "plan":
+        detail.update(plan_detail, plan=fn)
+    return kind, fn, detail
 
 
 def tune_training(gm: torch.fx.GraphModule, example_inputs, opts: KwkerOptions):
@@ -123,7 +157,19 @@ def tune_training(gm: torch.fx.GraphModule, example_inputs, opts: KwkerOptions):
     random numbers, so no two candidates' outputs could be compared), and so
     does one that writes an input requiring grad (autograd would record every
     timing run's write) or whose inputs have gradient hooks (the timing's
-    backward passes would call them)."""
+    backward passes would call them). A choice remembered from an earlier
+    tuning of this graph is built alone (kwker.choices)."""
+    def build_inductor():
+        # The backward compiled with the forward: compiled lazily, at the timing's
+        # first backward, it would be compiled inside this compile, which Dynamo refuses.
+        with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
+            return compile_with_inductor(gm, example_inputs, opts)
+
+    key = choices.key("training", gm, example_inputs, opts)
+    builders = {"inductor": build_inductor, "eager": lambda: gm}
+    recalled = recall("training", key, builders, {})
+    if recalled:
+        return recalled
     with torch.no_grad():  # the forward's ATen ops are all that is read here
         aten_gm, written, why_not = traced(gm, example_inputs)
     if why_not is None and any(x.requires_grad for x in written):  # its value put back, not its autograd history
@@ -132,16 +178,9 @@ def tune_training(gm: torch.fx.GraphModule, example_inputs, opts: KwkerOptions):
         why_not = "a training graph whose inputs have gradient hooks, which timing runs would call: not timed"
     if why_not:
         return "inductor", compile_with_inductor(gm, example_inputs, opts), {"why": why_not}
-
-    def build_inductor():
-        # The backward compiled with the forward: compiled lazily, at the timing's
-        # first backward, it would be compiled inside this compile, which Dynamo refuses.
-        with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
-            return compile_with_inductor(gm, example_inputs, opts)
-
-    builders = {"inductor": build_inductor, "eager": lambda: gm}
     choice = choose(builders, example_inputs, reference="inductor", truth="eager", run=forward_and_backward,
                     written=written, tolerance=TRAINING_TOLERANCE)
+    choices.remember(key, choices.Record(choice.name, None, choice.ms))
     return "training", choice.fn, {"candidates": choice.ms, "choice": choice.name, "left_out": choice.left_out}
 
 

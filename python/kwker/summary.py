@@ -20,6 +20,7 @@ class GraphReport:
     why: str = ""
     candidates: dict[str, float] = field(default_factory=dict)  # a tuned graph's: ms per candidate timed
     choice: str = ""  # the candidate kept
+    recalled: bool = False  # the choice remembered from an earlier tuning (kwker.choices), built alone
     left_out: dict[str, str] = field(default_factory=dict)  # candidates not timed, and why
     plan: object = None  # a replayed graph's plan, weakly: its last_call timings while it lives
 
@@ -52,6 +53,7 @@ def format_report() -> str:
     lines = [f"{'graph':>5}  {'kind':<18} {'nodes':>5} {'compile s':>9}  candidates / fallback ops / why"]
     for g in _graphs:
         kind = f"{g.kind}: {g.choice}" if g.choice else g.kind
+        kind += " (recalled)" if g.recalled else ""
         if g.candidates:
             extra = ", ".join(f"{name} {ms:.3g} ms" for name, ms in g.candidates.items())
             extra += "".join(f"; {name} left out: {why}" for name, why in g.left_out.items())

@@ -100,7 +100,8 @@ class Choice:
     # The candidate that would be kept without the one kept (None when the reference is
     # kept, or no other was timed): what a kept candidate that gives up later runs
     # instead (kwker.freeze).
-    fallback: Callable | None = None
+    fallback: str | None = None
+    built: dict[str, Callable] = field(default_factory=dict)  # each candidate whose outputs agreed
     # What the kept candidate returned for the inputs timed (None where the graph
     # writes its inputs: a call must write them again): see FirstCallServed.
     outputs: object = None
@@ -232,8 +233,8 @@ def choose(builders: dict[str, Callable[[], Callable]], inputs: list, reference:
     best = _fastest(ms, reference)
     log.info("candidates (%s) %s: %s kept", how, ", ".join(f"{n} {t:.3f} ms" for n, t in ms.items()), best)
     rest = {n: t for n, t in ms.items() if n != best}
-    fallback = built[_fastest(rest, reference)] if best != reference and rest else None
-    return Choice(best, built[best], ms, left_out, fallback, None if saved else outputs[best])
+    fallback = _fastest(rest, reference) if best != reference and rest else None
+    return Choice(best, built[best], ms, left_out, fallback, built, None if saved else outputs[best])
 
 
 @contextlib.contextmanager

@@ -39,3 +39,10 @@ def _side_by_side(work, n_threads: int = 2) -> list[str]:
 @pytest.fixture
 def side_by_side():
     return _side_by_side
+
+
+@pytest.fixture(autouse=True)
+def own_tuning_choices(tmp_path, monkeypatch):
+    """Each test remembers its tuning choices (kwker.choices) in a folder of its
+    own: a choice another test made must not stand in for this one's tuning."""
+    monkeypatch.setenv("KWKER_CACHE_DIR", str(tmp_path / "kwker-choices"))

@@ -1,0 +1,180 @@
+"""Tuning choices remembered on disk (kwker.choices): a graph tuned before is
+built as then chosen, in this process or another, and tuned again where the
+record no longer holds."""
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import kwker.dynamo_backend
+from kwker import choices, summary
+from kwker.freeze import FrozenGraph
+from kwker.options import KwkerOptions
+
+pytestmark = pytest.mark.usefixtures("fresh_compile_state")
+
+
+def mlp(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 32)).eval()
+
+
+def compile_and_run(model, *inputs, options=None):
+    """The compiled model's outputs and kwker's report of the graph."""
+    summary.clear()
+    torch._dynamo.reset()
+    out = torch.compile(model, backend="kwker", options=options)(*inputs)
+    (graph,) = summary.graphs()
+    return out, graph
+
+
+def no_tuning(monkeypatch):
+    def tuned(*args, **kwargs):
+        raise AssertionError("the graph was tuned again")
+
+    monkeypatch.setattr(kwker.dynamo_backend, "choose", tuned)
+
+
+def records() -> list[str]:
+    folder = choices.directory()
+    return sorted(p.name for p in folder.glob("*.json")) if folder.exists() else []
+
+
+def test_a_graph_tuned_before_is_built_as_chosen_without_tuning(monkeypatch):
+    model, x = mlp(), torch.randn(8, 64)
+    with torch.no_grad():
+        expected = model(x)
+        out, first = compile_and_run(model, x)
+        assert first.kind == "tuned" and not first.recalled and len(records()) == 1
+        no_tuning(monkeypatch)
+        again, second = compile_and_run(model, x)
+    assert second.recalled and second.choice == first.choice and second.candidates == first.candidates
+    torch.testing.assert_close(again, expected, rtol=1e-4, atol=1e-5)
+    assert "(recalled)" in summary.format_report()
+
+
+def test_a_training_graph_tuned_before_is_built_as_chosen(monkeypatch):
+    model, x = mlp(), torch.randn(8, 64)
+    reference = mlp()
+    reference(x).sum().backward()
+    compile_and_run(model, x)
+    model.zero_grad()
+    no_tuning(monkeypatch)
+    out, graph = compile_and_run(model, x)
+    out.sum().backward()
+    assert graph.kind == "training" and graph.recalled
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
+
+
+def captured_graph(model, *inputs):
+    """Dynamo's graph of model and its example inputs."""
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.append((gm, example_inputs))
+        return gm
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(model, backend=backend)(*inputs)
+    return seen[-1]
+
+
+def test_the_key_changes_with_what_the_choice_rests_on():
+    opts = KwkerOptions()
+    base = choices.key("inference", *captured_graph(mlp(), torch.randn(8, 64)), opts)
+    assert choices.key("inference", *captured_graph(mlp(seed=1), torch.randn(8, 64)), opts) == base  # other values
+    assert choices.key("training", *captured_graph(mlp(), torch.randn(8, 64)), opts) != base
+    assert choices.key("inference", *captured_graph(mlp(), torch.randn(16, 64)), opts) != base
+    assert choices.key("inference", *captured_graph(mlp().double(), torch.randn(8, 64).double()), opts) != base
+    assert choices.key("inference", *captured_graph(mlp(), torch.randn(8, 64)), KwkerOptions(glue=False)) != base
+    rounded = mlp()
+    with torch.no_grad():
+        for p in rounded.parameters():
+            p.copy_(p.to(torch.bfloat16).float())  # a bf16 checkpoint loaded in float32
+    assert choices.key("inference", *captured_graph(rounded, torch.randn(8, 64)), opts) != base
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)
+        assert choices.key("inference", *captured_graph(mlp(), torch.randn(8, 64)), opts) != base
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_nothing_is_remembered_with_inductors_caches_off():
+    model, x = mlp(), torch.randn(8, 64)
+    with torch.no_grad(), torch.compiler.config.patch(force_disable_caches=True):
+        compile_and_run(model, x)
+        _, graph = compile_and_run(model, x)
+        assert choices.directory() is None
+    assert not graph.recalled and records() == []
+
+
+@pytest.mark.parametrize("content", ["{not json", '{"choice": "plan", "unknown": 1}', '{"choice": "nonexistent"}'])
+def test_a_record_that_cannot_be_read_or_built_is_tuned_again_and_replaced(content, caplog):
+    model, x = mlp(), torch.randn(8, 64)
+    with torch.no_grad():
+        expected = model(x)
+        _, first = compile_and_run(model, x)
+        (name,) = records()
+        (choices.directory() / name).write_text(content)
+        with caplog.at_level(logging.WARNING, logger="kwker"):
+            out, graph = compile_and_run(model, x)
+    assert not graph.recalled and "tuned again" in caplog.text
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
+    assert choices.Record(**json.loads((choices.directory() / name).read_text())).choice == graph.choice
+
+
+class ConvBN(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn = torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8)
+
+    def forward(self, x):
+        return torch.relu(self.bn(self.conv(x)))
+
+
+def test_a_remembered_frozen_graph_is_built_with_its_fallback():
+    model, x = ConvBN().eval(), torch.randn(2, 3, 16, 16)
+    gm, example_inputs = captured_graph(model, x)
+    key = choices.key("inference", gm, example_inputs, KwkerOptions())
+    choices.remember(key, choices.Record("frozen", "inductor", {"inductor": 2.0, "eager": 3.0, "frozen": 1.0}))
+    made = []
+    real = kwker.dynamo_backend.FrozenGraph
+
+    def recording(*args):
+        made.append(real(*args))
+        return made[-1]
+
+    with pytest.MonkeyPatch.context() as m, torch.no_grad():
+        m.setattr(kwker.dynamo_backend, "FrozenGraph", recording)
+        out, graph = compile_and_run(model, x)
+        expected = model(x)
+    assert graph.recalled and graph.choice == "frozen" and isinstance(made[0], FrozenGraph)
+    # the record's fallback, Inductor's compiled graph, not FrozenGraph's own (Dynamo's graph, run eagerly)
+    assert not isinstance(made[0].fallback, torch.fx.GraphModule)
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_another_process_builds_the_choice_this_one_made(tmp_path):
+    program = textwrap.dedent("""
+        import torch
+        from kwker import summary
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 32)).eval()
+        with torch.no_grad():
+            torch.compile(model, backend="kwker")(torch.randn(8, 64))
+        (graph,) = summary.graphs()
+        print(graph.choice, graph.recalled)
+    """)
+    env = dict(os.environ, KWKER_CACHE_DIR=str(tmp_path / "shared"))
+    runs = [subprocess.run([sys.executable, "-c", program], env=env, capture_output=True, text=True, check=True)
+            .stdout.split()[-2:] for _ in range(2)]
+    assert runs[0][1] == "False" and runs[1] == [runs[0][0], "True"], runs
