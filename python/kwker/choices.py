@@ -9,13 +9,20 @@ its own from its caches: DistilBERT at batch 8 in float32 on the 2-vCPU Intel
 Xeon, a second process's first compile took 3.0 s with kwker against 0.85 s
 with Inductor (6.9 s and 5.7 s with cold caches).
 
-The key holds what the choice rests on: Dynamo's graph (its code), each input's
-type, dtype, shape, strides and whether it requires grad, whether each float32
-parameter is exactly bf16-valued (kwker's plan then reads bf16 copies, at half
-the bytes), the options, the CPU (its model name, kwker's ISA, the threads),
-and the versions of torch and of kwker's own code (its files, hashed). What
-differs in none of these (the weights' values otherwise, the inputs' values)
-reuses the choice, as timing on one call's inputs did.
+The key holds what the choice rests on: Dynamo's graph and every graph inside
+it (a higher-order op's body: checkpoint, cond; two models whose graphs differed
+only there would otherwise share a choice, and a recalled Inductor could give
+the wrong gradients that tuning had caught in one of them), with the tensors
+their get_attr nodes read; each input's type, dtype, shape, strides and whether
+it requires grad; whether each float32 parameter is exactly bf16-valued
+(kwker's plan then reads bf16 copies, at half the bytes); grad mode, inference
+mode, autocast and float32 matmul precision; kwker's options and Inductor's
+config; the CPU (its model name, kwker's ISA, the threads, the preloaded
+allocator); and the versions of torch and of kwker's own code (its files,
+hashed). What differs in none of these (the weights' values otherwise, the
+inputs' values) reuses the choice, as timing on one call's inputs did; a
+choice is not checked again, nor timed (a busy machine's choice stays until
+its record is deleted).
 
 The records live in KWKER_CACHE_DIR, by default a "kwker" folder beside
 Inductor's (torch._inductor.runtime.cache_dir_utils.cache_dir()); what turns
@@ -57,8 +64,11 @@ def directory() -> Path | None:
 
 
 def key(kind: str, gm: torch.fx.GraphModule, example_inputs, opts: KwkerOptions) -> str:
+    from torch._inductor import config as inductor_config
+
     digest = hashlib.sha256()
-    for part in (kind, gm.code, repr(opts), _machine(), torch.__version__, _kwker_code()):
+    for part in (kind, _graphs(gm), repr(opts), repr(sorted(inductor_config.save_config_portable().items())),
+                 _modes(), _machine(), torch.__version__, _kwker_code()):
         digest.update(part.encode() + b"\0")
     for x in example_inputs:
         digest.update(_describe(x).encode() + b"\0")
@@ -72,11 +82,20 @@ def recall(key_: str) -> Record | None:
     if path is None or not path.exists():
         return None
     try:
-        return Record(**json.loads(path.read_text()))
+        return _checked(Record(**json.loads(path.read_text())))
     except (OSError, ValueError, TypeError) as e:
         log.warning("kwker: the tuning choice in %s cannot be read (%s: %s); the graph is tuned again",
                     path, type(e).__name__, e)
         return None
+
+
+def _checked(record: Record) -> Record:
+    """record, when each field has its type (kwker.report() prints them)."""
+    times = record.candidates
+    if not (isinstance(record.choice, str) and isinstance(record.fallback, (str, type(None)))
+            and isinstance(times, dict) and all(isinstance(t, (int, float)) for t in times.values())):
+        raise ValueError(f"fields of the wrong types: {record!r:.200}")
+    return record
 
 
 def remember(key_: str, record: Record) -> None:
@@ -85,16 +104,46 @@ def remember(key_: str, record: Record) -> None:
     folder = directory()
     if folder is None:
         return
+    written = None
     try:
         folder.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile("w", dir=folder, suffix=".tmp", delete=False) as f:
+            written = f.name
             json.dump(asdict(record), f)
-        os.replace(f.name, folder / f"{key_}.json")
+        os.replace(written, folder / f"{key_}.json")
     except OSError as e:  # a read-only or full disk: the choice is simply not remembered
         log.warning("kwker: the tuning choice could not be written to %s (%s)", folder, e)
+        if written is not None:
+            Path(written).unlink(missing_ok=True)
+
+
+def _graphs(gm: torch.fx.GraphModule) -> str:
+    """The code of gm and of every graph inside it, with what each get_attr reads."""
+    parts = []
+    for name, module in gm.named_modules():
+        if isinstance(module, torch.fx.GraphModule):
+            parts.append(f"{name}:{module.code}")
+            parts += [f"{n.target}:{_describe(_attribute(module, n.target))}" for n in module.graph.nodes
+                      if n.op == "get_attr"]
+    return "\n".join(parts)
+
+
+def _attribute(module: torch.nn.Module, target: str):
+    try:
+        return functools.reduce(getattr, target.split("."), module)
+    except AttributeError:
+        return None
+
+
+def _modes() -> str:
+    return (f"grad {torch.is_grad_enabled()}, inference {torch.is_inference_mode_enabled()}, "
+            f"autocast {torch.is_autocast_enabled('cpu')} {torch.get_autocast_dtype('cpu')}, "
+            f"matmul {torch.get_float32_matmul_precision()}")
 
 
 def _describe(x) -> str:
+    if isinstance(x, torch.nn.Module):  # a graph inside, whose code _graphs holds
+        return type(x).__name__
     if not isinstance(x, torch.Tensor):
         return f"{type(x).__name__}:{x!r}"
     parameter = isinstance(x, torch.nn.Parameter)
@@ -104,7 +153,8 @@ def _describe(x) -> str:
 
 
 def _machine() -> str:
-    return f"{_cpu_model()}|{torch.get_num_threads()}|{len(os.sched_getaffinity(0))}"
+    return (f"{_cpu_model()}|{torch.get_num_threads()}|{len(os.sched_getaffinity(0))}|"
+            f"{os.environ.get('LD_PRELOAD', '')}|{os.environ.get('GOMP_SPINCOUNT', '')}")
 
 
 @functools.cache

@@ -100,12 +100,47 @@ def test_the_key_changes_with_what_the_choice_rests_on():
         for p in rounded.parameters():
             p.copy_(p.to(torch.bfloat16).float())  # a bf16 checkpoint loaded in float32
     assert choices.key("inference", *captured_graph(rounded, torch.randn(8, 64)), opts) != base
+    gm, example_inputs = captured_graph(mlp(), torch.randn(8, 64))
+    with torch.no_grad():
+        assert choices.key("inference", gm, example_inputs, opts) != base
+    with torch.autocast("cpu", torch.bfloat16):
+        assert choices.key("inference", gm, example_inputs, opts) != base
+    with torch._inductor.config.patch(freezing=True):
+        assert choices.key("inference", gm, example_inputs, opts) != base
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(threads + 1)
         assert choices.key("inference", *captured_graph(mlp(), torch.randn(8, 64)), opts) != base
     finally:
         torch.set_num_threads(threads)
+
+
+class Checkpointed(torch.nn.Module):
+    """Two of these differ only inside the checkpointed body, a graph of its
+    own inside Dynamo's; with ceil_mode=True torch 2.13's Inductor gets the
+    pooling's gradient wrong (pytorch#198119), which tuning catches."""
+
+    def __init__(self, ceil_mode):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.ones(4, 1, 1))
+        self.ceil_mode = ceil_mode
+
+    def body(self, x):
+        return torch.nn.functional.avg_pool2d(torch.sigmoid(x) + x.tanh(), 3, 2, ceil_mode=self.ceil_mode)
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(self.body, x * self.scale, use_reentrant=False)
+
+
+def test_graphs_that_differ_inside_a_checkpointed_body_do_not_share_a_choice():
+    x = torch.randn(2, 4, 16, 16)
+    for ceil_mode in (False, True):
+        model = Checkpointed(ceil_mode)
+        (expected,) = torch.autograd.grad(model(x).sum(), model.scale)
+        out, graph = compile_and_run(model, x)
+        (grad,) = torch.autograd.grad(out.sum(), model.scale)
+        assert graph.kind == "training" and not graph.recalled
+        torch.testing.assert_close(grad, expected, rtol=1e-4, atol=1e-5)
 
 
 def test_nothing_is_remembered_with_inductors_caches_off():
@@ -117,7 +152,8 @@ def test_nothing_is_remembered_with_inductors_caches_off():
     assert not graph.recalled and records() == []
 
 
-@pytest.mark.parametrize("content", ["{not json", '{"choice": "plan", "unknown": 1}', '{"choice": "nonexistent"}'])
+@pytest.mark.parametrize("content", ["{not json", '{"choice": "plan", "unknown": 1}', '{"choice": "nonexistent"}',
+                                     '{"choice": "eager", "candidates": "fast"}', "[1]"])
 def test_a_record_that_cannot_be_read_or_built_is_tuned_again_and_replaced(content, caplog):
     model, x = mlp(), torch.randn(8, 64)
     with torch.no_grad():
@@ -144,7 +180,8 @@ class ConvBN(torch.nn.Module):
 def test_a_remembered_frozen_graph_is_built_with_its_fallback():
     model, x = ConvBN().eval(), torch.randn(2, 3, 16, 16)
     gm, example_inputs = captured_graph(model, x)
-    key = choices.key("inference", gm, example_inputs, KwkerOptions())
+    with torch.no_grad():  # grad mode is part of the key, as it is of the compile below
+        key = choices.key("inference", gm, example_inputs, KwkerOptions())
     choices.remember(key, choices.Record("frozen", "inductor", {"inductor": 2.0, "eager": 3.0, "frozen": 1.0}))
     made = []
     real = kwker.dynamo_backend.FrozenGraph
