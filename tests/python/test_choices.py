@@ -100,6 +100,11 @@ def test_the_key_changes_with_what_the_choice_rests_on():
         for p in rounded.parameters():
             p.copy_(p.to(torch.bfloat16).float())  # a bf16 checkpoint loaded in float32
     assert choices.key("inference", *captured_graph(rounded, torch.randn(8, 64)), opts) != base
+    one = torch.randn(16, 64)  # two inputs over one storage, or one each: no plan over shared storage
+    aliased = choices.key("inference", *captured_graph(torch.add, one[:8], one[8:]), opts)
+    assert choices.key("inference", *captured_graph(torch.add, *torch.randn(16, 64).split(8)), opts) == aliased
+    apart = captured_graph(torch.add, torch.randn(16, 64)[:8], torch.randn(16, 64)[8:])  # the same offsets
+    assert choices.key("inference", *apart, opts) != aliased
     gm, example_inputs = captured_graph(mlp(), torch.randn(8, 64))
     with torch.no_grad():
         assert choices.key("inference", gm, example_inputs, opts) != base
