@@ -97,7 +97,7 @@ def tune_inference(gm: torch.fx.GraphModule, example_inputs, opts: KwkerOptions)
 
     builders = {"inductor": lambda: compile_with_inductor(gm, example_inputs, opts), "eager": lambda: gm,
                 "plan": build_plan, "frozen": lambda: FrozenGraph(gm, example_inputs, dict(opts.inductor_patches))}
-    recalled = recall("tuned", key, builders, plan_detail)
+    recalled = build_remembered("tuned", key, builders, plan_detail)
     if recalled:
         return recalled
     aten_gm, written, why_not = traced(gm, example_inputs)
@@ -125,7 +125,7 @@ def _not_lowerable(why: str):
     raise NotLowerable(why)
 
 
-def recall(kind: str, key: str, builders: dict, plan_detail: dict):
+def build_remembered(kind: str, key: str, builders: dict, plan_detail: dict):
     """(kind, the compiled graph, detail) from the choice remembered under key
     (kwker.choices): the kept candidate built alone, and a frozen graph's
     fallback; None where there is none, or it no longer builds (logged: the
@@ -167,7 +167,7 @@ def tune_training(gm: torch.fx.GraphModule, example_inputs, opts: KwkerOptions):
 
     key = choices.key("training", gm, example_inputs, opts)
     builders = {"inductor": build_inductor, "eager": lambda: gm}
-    recalled = recall("training", key, builders, {})
+    recalled = build_remembered("training", key, builders, {})
     if recalled:
         return recalled
     with torch.no_grad():  # the forward's ATen ops are all that is read here
