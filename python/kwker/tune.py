@@ -97,7 +97,7 @@ class Choice:
     fn: Callable
     ms: dict[str, float] = field(default_factory=dict)  # median per candidate timed
     left_out: dict[str, str] = field(default_factory=dict)  # candidate -> why it was not timed
-    # The candidate that would be kept without the one kept (None when the reference is
+    # The name of the candidate that would be kept without the one kept (None when the reference is
     # kept, or no other was timed): what a kept candidate that gives up later runs
     # instead (kwker.freeze).
     fallback: str | None = None
@@ -301,9 +301,10 @@ def _median_ms(built: dict[str, Callable], run: Callable[[Callable], object],
     third of the MIN_ROUNDS, so that two timed rounds are the most that
     overlapping candidates get there (the medians are the timed calls'); and
     for every call of a candidate whose first run was not under MARGIN of the
-    reference's steady call. A candidate those calls show slower than another (_outrun) sits out the later rounds;
-    one with a call already made in a round's place (a gate's steady run, the
-    reference's second run) is not run in that round."""
+    reference's steady call. A candidate those calls show slower than another
+    (_outrun) sits out the later rounds; one with a call already made in a
+    round's place (a gate's steady run, the reference's second run) is not run
+    in that round."""
     times = {name: list(times.get(name, [])) for name in built}
     long_calls = sum(first[name] for name in built) > BUDGET_S
     timed = dict(built)
