@@ -221,6 +221,18 @@ def traced(gm: torch.fx.GraphModule, example_inputs):
 
 
 def compile_with_inductor(gm: torch.fx.GraphModule, example_inputs, opts: KwkerOptions):
+    """Inductor's compile of gm, without PyTorch's AOTAutograd cache where two
+    inputs share a storage: torch 2.13's cache key leaves out which inputs
+    overlap, so an entry compiled for views of one tensor was loaded for
+    separate ones (AssertionError: wrong number of dimensions) and one
+    compiled for separate inputs was loaded for views of one tensor, one of
+    them written (outputs 65 off eager's, with stock Inductor too)."""
     from torch._inductor.compile_fx import compile_fx
 
-    return compile_fx(gm, example_inputs, config_patches=dict(opts.inductor_patches))
+    with torch._functorch.config.patch(enable_autograd_cache=not _share_storage(example_inputs)):
+        return compile_fx(gm, example_inputs, config_patches=dict(opts.inductor_patches))
+
+
+def _share_storage(inputs) -> bool:
+    storages = [x.untyped_storage().data_ptr() for x in inputs if isinstance(x, torch.Tensor) and x.numel()]
+    return len(set(storages)) < len(storages)

@@ -349,6 +349,46 @@ def test_inputs_over_one_storage_are_all_put_back_after_every_run():
     assert graph.kind == "tuned", kwker.report()
 
 
+WRITE_ONE_READ_OTHER = """
+import sys, torch
+from kwker import summary
+def f(a, b, w):
+    a.mul_(2)
+    return torch.nn.functional.linear(b, w) + 1
+torch.manual_seed(0)
+w, base = torch.randn(64, 64), torch.randn(16, 64)
+a, b = (base.view(16, 64), base.view(16, 64)) if sys.argv[1] == "aliased" else (base, torch.randn(16, 64))
+with torch.no_grad():
+    base_ = base.clone()
+    a_, b_ = (base_.view(16, 64), base_.view(16, 64)) if sys.argv[1] == "aliased" else (base_, b.clone())
+    expected = f(a_, b_, w)
+    out = torch.compile(f, backend="kwker")(a, b, w)
+(graph,) = summary.graphs()
+print((out - expected).abs().max().item(), sorted(graph.left_out))
+"""
+
+
+@pytest.mark.parametrize("order", [("aliased", "separate"), ("separate", "aliased")])
+def test_inductor_compiles_without_pytorchs_autograd_cache_for_inputs_over_one_storage(order, tmp_path):
+    """torch 2.13's AOTAutograd cache keys no input overlap: with it, the
+    second process, given the other kind of inputs, loaded the first's
+    compile and crashed (separate after views of one tensor) or gave outputs
+    far from eager's (the other way), which tuning then caught. Each process
+    here tunes (a choices folder of its own) over one Inductor cache folder."""
+    import os
+    import subprocess
+    import sys
+
+    for i, kind in enumerate(order):
+        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"),
+                   KWKER_CACHE_DIR=str(tmp_path / f"choices-{i}"))
+        run = subprocess.run([sys.executable, "-c", WRITE_ONE_READ_OTHER, kind], env=env, capture_output=True,
+                             text=True)
+        assert run.returncode == 0, run.stderr[-2000:]
+        error, left_out = run.stdout.split(maxsplit=1)
+        assert float(error) < 1e-4 and "inductor" not in left_out, (kind, run.stdout)
+
+
 def test_a_graph_that_writes_more_than_tuning_would_copy_runs_once_by_inductor(monkeypatch):
     import kwker.dynamo_backend
 
