@@ -14,8 +14,9 @@ it (a higher-order op's body: checkpoint, cond; two models whose graphs differed
 only there would otherwise share a choice, and a recalled Inductor could give
 the wrong gradients that tuning had caught in one of them), with the tensors
 their get_attr nodes read; each input's type, dtype, shape, strides, whether
-it requires grad and which inputs share its storage; whether each float32 parameter is exactly bf16-valued
-(kwker's plan then reads bf16 copies, at half the bytes); grad mode, inference
+it requires grad and which inputs share its storage; whether each float32
+parameter is exactly bf16-valued (kwker's plan then reads bf16 copies, at half
+the bytes); grad mode, inference
 mode, autocast and float32 matmul precision; kwker's options and Inductor's
 config; the CPU (its model name, kwker's ISA, the threads, the preloaded
 allocator); and the versions of torch and of kwker's own code (its files,
@@ -41,6 +42,7 @@ from pathlib import Path
 
 import torch
 
+from kwker.lower import first_over_storage
 from kwker.options import KwkerOptions
 from kwker.weights import is_bf16_valued
 
@@ -70,10 +72,9 @@ def key(kind: str, gm: torch.fx.GraphModule, example_inputs, opts: KwkerOptions)
     for part in (kind, _graphs(gm), repr(opts), repr(sorted(inductor_config.save_config_portable().items())),
                  _modes(), _machine(), torch.__version__, _kwker_code()):
         digest.update(part.encode() + b"\0")
-    first_over = {}  # storage -> the first input over it: inputs that share one cannot become a plan
-    for i, x in enumerate(example_inputs):
-        shared = first_over.setdefault(x.untyped_storage().data_ptr(), i) if isinstance(x, torch.Tensor) else i
-        digest.update(f"{_describe(x)}:{shared}".encode() + b"\0")
+    # which inputs share a storage: such inputs cannot become a plan
+    for x, first in zip(example_inputs, first_over_storage(example_inputs)):
+        digest.update(f"{_describe(x)}:{first}".encode() + b"\0")
     return digest.hexdigest()
 
 

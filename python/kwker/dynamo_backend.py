@@ -11,7 +11,7 @@ from kwker import choices, guards, summary
 from kwker.aten_graph import op_arguments, trace_to_aten
 from kwker.decode import compile_decode_step
 from kwker.freeze import FrozenGraph, cannot_win, worth_freezing
-from kwker.lower import NotLowerable
+from kwker.lower import NotLowerable, first_over_storage
 from kwker.options import KwkerOptions, parse_options
 from kwker.plan import compile_plan, inputs_written, reserve_weights
 from kwker.rewrite import rewrite_language_model
@@ -229,10 +229,6 @@ def compile_with_inductor(gm: torch.fx.GraphModule, example_inputs, opts: KwkerO
     them written (outputs 65 off eager's, with stock Inductor too)."""
     from torch._inductor.compile_fx import compile_fx
 
-    with torch._functorch.config.patch(enable_autograd_cache=not _share_storage(example_inputs)):
+    shared = any(first != i for i, first in enumerate(first_over_storage(example_inputs)))
+    with torch._functorch.config.patch(enable_autograd_cache=not shared):
         return compile_fx(gm, example_inputs, config_patches=dict(opts.inductor_patches))
-
-
-def _share_storage(inputs) -> bool:
-    storages = [x.untyped_storage().data_ptr() for x in inputs if isinstance(x, torch.Tensor) and x.numel()]
-    return len(set(storages)) < len(storages)

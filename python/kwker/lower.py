@@ -49,6 +49,13 @@ def storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
 
+def first_over_storage(inputs) -> list[int]:
+    """For each input, the index of the first input over the same storage
+    (its own where no earlier one shares it, and for a non-tensor)."""
+    first = {}
+    return [first.setdefault(storage_key(x), i) if isinstance(x, torch.Tensor) else i for i, x in enumerate(inputs)]
+
+
 class _Lowering:
     def __init__(self, gm: torch.fx.GraphModule, example_inputs, copies: dict[str, CopiedWeight],
                  input_names: list[str] | None, written_args=()):
