@@ -163,7 +163,7 @@ def test_a_record_that_cannot_be_read_or_built_is_tuned_again_and_replaced(conte
     model, x = mlp(), torch.randn(8, 64)
     with torch.no_grad():
         expected = model(x)
-        _, first = compile_and_run(model, x)
+        compile_and_run(model, x)
         (name,) = records()
         (choices.directory() / name).write_text(content)
         with caplog.at_level(logging.WARNING, logger="kwker"):
