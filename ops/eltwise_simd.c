@@ -1,7 +1,8 @@
 /* binary, silu_mul, gelu and convert over simd.h, built once per vector ISA (see
  * KW__VARIANTS). Vector code runs where y's inner stride is 1 and each input's
- * is 1 or 0 (broadcast); other layouts, integer dtypes and f16 go to the scalar
- * references in eltwise.c. */
+ * is 1 or 0 (broadcast), and for binary and convert also where one input is
+ * transposed against y (tiles_share); other layouts, integer dtypes and f16 go
+ * to the scalar references in eltwise.c. */
 #include "eltwise.h"
 #include "simd.h"
 
@@ -39,9 +40,17 @@ static inline kw_v binary_v(int op, kw_v a, kw_v b) {
     }
 }
 
+static int transposed_dim(const kw__ew *e, int k);
+static void tiles_share(const kw__ew *e, int k, int p, int binary, int ith, int nth);
+
 void KW__ISA_NAME(kw__binary_share)(const kw__ew *e, int ith, int nth) {
     if (!vector_ok(e)) {
-        kw__binary_share_scalar(e, ith, nth);
+        int k = 1, p = transposed_dim(e, 1);
+        if (p < 0) k = 2, p = transposed_dim(e, 2);
+        if (p >= 0)
+            tiles_share(e, k, p, 1, ith, nth);
+        else
+            kw__binary_share_scalar(e, ith, nth);
         return;
     }
     const int last = e->nd.ndim - 1;
@@ -124,44 +133,62 @@ void KW__ISA_NAME(kw__gelu_share)(const kw__ew *e, int ith, int nth) {
     map1_share(e, ith, nth, 1);
 }
 
-/* The dim p of a convert whose y rows are contiguous and whose x is not along
- * them but along p instead (a transpose made contiguous: T5's position bias,
- * [L, L, H] permuted to [1, H, L, L]), or -1. */
-static int transposed_dim(const kw__ew *e) {
-    const int last = e->nd.ndim - 1;
-    if (!kw__is_float(e->yt) || !kw__is_float(e->at) || last < 1 || e->nd.total == 0 || e->nd.stride[0][last] != 1 ||
-        e->nd.stride[1][last] == 0)
+/* The dim p along which input k (1 or 2) steps by 1 where its stride along y's
+ * rows is neither 0 nor 1: a transpose made contiguous (T5's position bias,
+ * [L, L, H] permuted to [1, H, L, L]), or a sum of two layouts (Whisper's
+ * residual adds: the stream in its convolution's [C, T] memory, each layer's
+ * output [T, C]). -1 unless y's rows are contiguous, every dtype is a float one
+ * and the other input, if any, runs along y's rows (inner stride 0 or 1). */
+static int transposed_dim(const kw__ew *e, int k) {
+    const int last = e->nd.ndim - 1, other = 3 - k;
+    if (!kw__is_float(e->yt) || !kw__is_float(e->at) || (e->b && !kw__is_float(e->bt)) || last < 1 ||
+        e->nd.total == 0 || e->nd.stride[0][last] != 1 || k >= e->nd.n_ops)
         return -1;
+    const int64_t sx = e->nd.stride[k][last];
+    if (sx == 0 || sx == 1) return -1;
+    if (other < e->nd.n_ops && (e->nd.stride[other][last] < 0 || e->nd.stride[other][last] > 1)) return -1;
     for (int p = 0; p < last; p++)
-        if (e->nd.stride[1][p] == 1 && e->nd.shape[p] > 1) return p;
+        if (e->nd.stride[k][p] == 1 && e->nd.shape[p] > 1) return p;
     return -1;
 }
 
-/* y = x in KW_VW × KW_VW tiles of (p, last): KW_VW vector loads along x's p,
- * transposed in registers, stored along y's rows, instead of a strided load per
- * element. Threads split the tiles' rows: the other dims times p's tiles. */
-static void transpose_share(const kw__ew *e, int p, int ith, int nth) {
-    const int last = e->nd.ndim - 1;
+/* y in KW_VW × KW_VW tiles of (p, last): input k read by KW_VW vector loads
+ * along p, transposed in registers, instead of a strided load per element; the
+ * other input, if any, along y's rows. binary: y = a (op) b, else y = x
+ * (convert). Threads split the tiles' rows: the other dims times p's tiles. */
+static void tiles_share(const kw__ew *e, int k, int p, int binary, int ith, int nth) {
+    const int last = e->nd.ndim - 1, other = 3 - k, has_other = other < e->nd.n_ops;
+    const void *x = k == 1 ? e->a : e->b, *w = k == 1 ? e->b : e->a;
+    const kw_dtype xt = k == 1 ? e->at : e->bt, wt = k == 1 ? e->bt : e->at;
     const int64_t np = e->nd.shape[p], nj = e->nd.shape[last], p_tiles = (np + KW_VW - 1) / KW_VW;
-    const int64_t sx = e->nd.stride[1][last], syp = e->nd.stride[0][p];
+    const int64_t sx = e->nd.stride[k][last], syp = e->nd.stride[0][p];
+    const int64_t swp = has_other ? e->nd.stride[other][p] : 0, swj = has_other ? e->nd.stride[other][last] : 0;
     int64_t u0, u1;
     kw__split(e->nd.total / (np * nj) * p_tiles, 1, ith, nth, &u0, &u1);
     for (int64_t u = u0; u < u1; u++) {
-        int64_t rest = u / p_tiles, yo = 0, xo = 0;
+        int64_t rest = u / p_tiles, yo = 0, xo = 0, wo = 0;
         for (int d = last - 1; d >= 0; d--) { /* the other dims' index, p's and last's left out */
             if (d == p) continue;
             const int64_t idx = rest % e->nd.shape[d];
             rest /= e->nd.shape[d];
-            yo += idx * e->nd.stride[0][d], xo += idx * e->nd.stride[1][d];
+            yo += idx * e->nd.stride[0][d], xo += idx * e->nd.stride[k][d];
+            if (has_other) wo += idx * e->nd.stride[other][d];
         }
         const int64_t p0 = u % p_tiles * KW_VW, pn = KW__MIN(KW_VW, np - p0);
-        yo += p0 * syp, xo += p0;
+        yo += p0 * syp, xo += p0, wo += p0 * swp;
         for (int64_t j0 = 0; j0 < nj; j0 += KW_VW) {
             const int64_t jn = KW__MIN(KW_VW, nj - j0);
             kw_v r[KW_VW];
-            for (int t = 0; t < KW_VW; t++) r[t] = t < jn ? kw_v_ldn(e->a, xo + (j0 + t) * sx, pn, e->at) : kw_v_zero();
+            for (int t = 0; t < KW_VW; t++) r[t] = t < jn ? kw_v_ldn(x, xo + (j0 + t) * sx, pn, xt) : kw_v_zero();
             kw_v_transpose(r);
-            for (int t = 0; t < pn; t++) kw_v_stn(e->y, yo + t * syp + j0, jn, e->yt, r[t]);
+            for (int t = 0; t < pn; t++) {
+                kw_v v = r[t];
+                if (binary) {
+                    const kw_v o = has_other ? ldv(w, wo + t * swp, j0, jn, swj, wt) : kw_v_set1((float)e->scalar);
+                    v = k == 1 ? binary_v(e->mode, v, o) : binary_v(e->mode, o, v);
+                }
+                stv(e->y, yo + t * syp + j0, jn, e->yt, v);
+            }
         }
     }
 }
@@ -171,9 +198,9 @@ void KW__ISA_NAME(kw__convert_share)(const kw__ew *e, int ith, int nth) {
         map1_share(e, ith, nth, 0);
         return;
     }
-    const int p = transposed_dim(e);
+    const int p = transposed_dim(e, 1);
     if (p >= 0)
-        transpose_share(e, p, ith, nth);
+        tiles_share(e, 1, p, 0, ith, nth);
     else
         kw__convert_share_scalar(e, ith, nth);
 }

@@ -201,10 +201,10 @@ static inline void kw__split(int64_t n, int64_t align, int ith, int nth, int64_t
 
 #define KW__ND_MAX_OPS 3
 
-/* Up to KW__ND_MAX_OPS operands walked over the output's index space: operand 0
- * is the output, the others are broadcast to it (size-1 or missing dims get stride
- * 0). Dims that are contiguous for every operand are merged, so a contiguous
- * tensor becomes one long inner run. */
+/* Up to KW__ND_MAX_OPS operands walked over the output's index space in the
+ * output's memory order: operand 0 is the output, the others are broadcast to it
+ * (size-1 or missing dims get stride 0). Dims that are contiguous for every
+ * operand are merged, so tensors of one dense layout become one long inner run. */
 typedef struct kw__nd {
     int ndim, n_ops;
     int64_t shape[KW_MAX_DIMS];
@@ -215,35 +215,44 @@ typedef struct kw__nd {
 /* Returns 0 when an operand does not broadcast to ops[0]'s shape. */
 int kw__nd_init(kw__nd *nd, const kw_tensor *const *ops, int n_ops);
 
-/* Element offsets of each operand at flat output index i (row-major). */
-static inline void kw__nd_offsets(const kw__nd *nd, int64_t i, int64_t *off) {
-    for (int k = 0; k < nd->n_ops; k++) off[k] = 0;
-    for (int d = nd->ndim - 1; d >= 0; d--) {
-        const int64_t idx = i % nd->shape[d];
-        i /= nd->shape[d];
-        for (int k = 0; k < nd->n_ops; k++) off[k] += idx * nd->stride[k][d];
-    }
-}
-
-/* Thread ith's share of the flat output index space, walked run by run: each
- * kw__nd_next gives `n` elements starting at element offsets off[k], to be stepped
- * with the inner strides nd->stride[k][nd->ndim - 1]. Shares are whole multiples
- * of 64 elements so vector loops rarely see a ragged edge. */
+/* Thread ith's share of the flat index space (in the walk's order), walked run
+ * by run: each kw__nd_next gives `n` elements starting at element offsets off[k],
+ * to be stepped with the inner strides nd->stride[k][nd->ndim - 1]. Shares are
+ * whole multiples of 64 elements so vector loops rarely see a ragged edge. The
+ * index is divided out once per share, then stepped like an odometer: runs of 64
+ * (Whisper's heads made contiguous, [6, 1500, 64]) spent more on the divisions
+ * than on their data. */
 typedef struct kw__nd_it {
-    int64_t i, hi;
+    int64_t i, hi;                 /* the next run's flat index; the share's end */
+    int64_t idx[KW_MAX_DIMS];      /* the next run's index in each dim */
+    int64_t off[KW__ND_MAX_OPS];   /* each operand's element offset there */
 } kw__nd_it;
 
 static inline kw__nd_it kw__nd_share(const kw__nd *nd, int ith, int nth) {
     kw__nd_it it;
     kw__split(nd->total, 64, ith, nth, &it.i, &it.hi);
+    for (int k = 0; k < nd->n_ops; k++) it.off[k] = 0;
+    int64_t rest = it.i;
+    for (int d = nd->ndim - 1; d >= 0; d--) {
+        it.idx[d] = nd->total ? rest % nd->shape[d] : 0; /* a total of 0: a dim of 0, nothing to walk */
+        rest = nd->total ? rest / nd->shape[d] : 0;
+        for (int k = 0; k < nd->n_ops; k++) it.off[k] += it.idx[d] * nd->stride[k][d];
+    }
     return it;
 }
 
 static inline int kw__nd_next(const kw__nd *nd, kw__nd_it *it, int64_t *off, int64_t *n) {
     if (it->i >= it->hi) return 0;
-    kw__nd_offsets(nd, it->i, off);
-    *n = KW__MIN(nd->inner - it->i % nd->inner, it->hi - it->i);
+    const int last = nd->ndim - 1;
+    *n = KW__MIN(nd->inner - it->idx[last], it->hi - it->i);
     it->i += *n;
+    it->idx[last] += *n;
+    for (int k = 0; k < nd->n_ops; k++) off[k] = it->off[k], it->off[k] += *n * nd->stride[k][last];
+    for (int d = last; d > 0 && it->idx[d] == nd->shape[d]; d--) { /* carry into the dim outside */
+        it->idx[d] = 0;
+        it->idx[d - 1]++;
+        for (int k = 0; k < nd->n_ops; k++) it->off[k] += nd->stride[k][d - 1] - nd->shape[d] * nd->stride[k][d];
+    }
     return 1;
 }
 

@@ -303,6 +303,70 @@ Test(convert, a_transpose_is_copied_exactly) {
     }
 }
 
+/* Strides of a dense tensor of `shape` whose dims lie in memory in `order`
+ * (outermost first). */
+static void strides_in_order(int nd, const int64_t *shape, const int *order, int64_t *st) {
+    int64_t s = 1;
+    for (int i = nd - 1; i >= 0; i--) st[order[i]] = s, s *= shape[order[i]];
+}
+
+/* y, a and b each dense in its own memory order (contiguous, channels-last,
+ * transposed: ConvNeXt's residual adds in channels-last, Whisper's over a [C, T]
+ * stream and a [T, C] layer output), b sometimes broadcast over the batch:
+ * every variant equals the reference, and the reference equals each element's
+ * sum, difference or product computed from its logical index. */
+Test(binary, any_dense_layouts_match_logical_indexing) {
+    tt_rng r = {33};
+    static const int orders[][4] = {{0, 1, 2, 3}, {0, 2, 3, 1}, {0, 1, 3, 2}, {0, 3, 2, 1}, {1, 0, 2, 3}};
+    static const int64_t sizes[] = {1, 3, 16, 17, 40};
+    for (int trial = 0; trial < 60; trial++) {
+        const kw_dtype at = fdt[trial % 2], bt = fdt[trial / 2 % 2];
+        const kw_dtype yt = at == KW_F32 || bt == KW_F32 ? KW_F32 : KW_BF16;
+        int64_t shape[4] = {1 + trial % 3 % 2, sizes[tt_int(&r, 0, 4)], sizes[tt_int(&r, 0, 4)], sizes[tt_int(&r, 0, 4)]};
+        int64_t ys[4], as[4], bs[4], bshape[4];
+        memcpy(bshape, shape, sizeof shape);
+        if (trial % 4 == 3) bshape[0] = 1;
+        strides_in_order(4, shape, orders[tt_int(&r, 0, 4)], ys);
+        strides_in_order(4, shape, orders[tt_int(&r, 0, 4)], as);
+        strides_in_order(4, bshape, orders[tt_int(&r, 0, 4)], bs);
+        tt_case k = {0};
+        kw_tensor *y = tt_tensor(&k, 0, yt, 4, shape, ys, 0, 0, &r);
+        kw_tensor *a = tt_tensor(&k, 1, at, 4, shape, as, -3, 3, &r);
+        kw_tensor *b = tt_tensor(&k, 2, bt, 4, bshape, bs, -3, 3, &r);
+        static const int ops[] = {KW_BINARY_ADD, KW_BINARY_SUB, KW_BINARY_MUL};
+        k.c.ip[0] = ops[trial % 3];
+        tt_check_variants(KW_OP_BINARY, &k, exact, "binary");
+        tt_run(KW_OP_BINARY, kw_cpu_isa(), &k.c, 2);
+        for (int64_t i0 = 0; i0 < shape[0]; i0++)
+            for (int64_t i1 = 0; i1 < shape[1]; i1++)
+                for (int64_t i2 = 0; i2 < shape[2]; i2++)
+                    for (int64_t i3 = 0; i3 < shape[3]; i3++) {
+                        const int64_t i[4] = {i0, i1, i2, i3}, ib[4] = {bshape[0] == 1 ? 0 : i0, i1, i2, i3};
+                        const float x = (float)tt_get(a, i), z = (float)tt_get(b, ib);
+                        const float want = k.c.ip[0] == KW_BINARY_ADD ? x + z : k.c.ip[0] == KW_BINARY_SUB ? x - z : x * z;
+                        cr_assert_eq(tt_get(y, i), kw__round_to(want, yt), "trial %d [%lld,%lld,%lld,%lld]", trial,
+                                     (long long)i0, (long long)i1, (long long)i2, (long long)i3);
+                    }
+        tt_free(&k);
+    }
+}
+
+/* A dim of 0 (an empty slice of a sequence) is nothing to walk: every variant
+ * and thread count returns without dividing by it or touching memory. */
+Test(binary, a_dim_of_zero_walks_nothing) {
+    tt_rng r = {34};
+    for (int isa = KW_ISA_SCALAR; isa <= (int)kw_cpu_isa(); isa++)
+        for (int nth = 1; nth <= 3; nth++) {
+            tt_case k = {0};
+            tt_tensor(&k, 0, KW_F32, 3, TT_DIMS(3, 0, 5), TT_DIMS(1, 15, 3), 0, 0, &r);
+            tt_tensor(&k, 1, KW_F32, 3, TT_DIMS(3, 0, 5), NULL, -1, 1, &r);
+            tt_tensor(&k, 2, KW_BF16, 3, TT_DIMS(3, 0, 5), TT_DIMS(5, 15, 1), -1, 1, &r);
+            k.c.ip[0] = KW_BINARY_ADD;
+            tt_run(KW_OP_BINARY, (kw_isa)isa, &k.c, nth);
+            tt_free(&k);
+        }
+}
+
 /* where: a bool cond broadcast over heads (T5's padding mask), x permuted (its
  * position bias), the scalar on either side and rounded to y's dtype (float's
  * lowest is -inf in bfloat16). */
