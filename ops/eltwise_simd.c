@@ -193,9 +193,23 @@ static void tiles_share(const kw__ew *e, int k, int p, int binary, int ith, int 
     }
 }
 
+/* A copy within one dtype, x's rows contiguous as y's: the bytes as they are
+ * (Whisper's heads made contiguous, runs of 64 bf16: 0.18 ms a [6, 1500, 64]
+ * copy through f32 vectors). */
+static void copy_share(const kw__ew *e, int ith, int nth) {
+    const size_t size = kw_dtype_size(e->yt);
+    kw__nd_it it = kw__nd_share(&e->nd, ith, nth);
+    int64_t off[2], n;
+    while (kw__nd_next(&e->nd, &it, off, &n))
+        memcpy(e->y + (size_t)off[0] * size, e->a + (size_t)off[1] * size, (size_t)n * size);
+}
+
 void KW__ISA_NAME(kw__convert_share)(const kw__ew *e, int ith, int nth) {
     if (vector_ok(e)) {
-        map1_share(e, ith, nth, 0);
+        if (e->at == e->yt && e->nd.stride[1][e->nd.ndim - 1] == 1)
+            copy_share(e, ith, nth);
+        else
+            map1_share(e, ith, nth, 0);
         return;
     }
     const int p = transposed_dim(e, 1);
