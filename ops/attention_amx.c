@@ -65,24 +65,60 @@ static void pack_values(const kw__attn *a, const char *v, const int32_t *pos, in
     }
 }
 
+/* scores[t · np + j0 + c · 16 + e] = sums[c][t · 16 + e] · scale + itself (the
+ * mask's bias), for rows t < rows and the n_panels panels of 16 positions. */
+static inline void add_scaled(const kw__attn *a, const float (*sums)[16 * 16], int n_panels, int64_t np, int64_t j0,
+                              int64_t rows, float *scores) {
+    const kw_v scale = kw_v_set1(a->scale);
+    for (int64_t t = 0; t < rows; t++)
+        for (int c = 0; c < n_panels; c++) {
+            float *s = scores + t * np + j0 + c * 16;
+            kw_v_storeu(s, kw_v_fmadd(kw_v_loadu(sums[c] + t * 16), scale, kw_v_loadu(s)));
+        }
+}
+
 /* scores[t · np + j] = dot(q_t, k[pos[j]]) · scale + scores[t · np + j] (the
- * mask's bias) for rows t < rows and j in [j0, j1), a panel of 16 at a time. */
+ * mask's bias) for rows t < rows and j in [j0, j1): four panels of 16 at a time
+ * into four tiles of sums, whose products do not wait on each other (one tile
+ * per panel chained each product to the one before: 17 % of Whisper-tiny's
+ * attention over 1500 positions waited there, perf), then a panel at a time. */
 static void scores_block(const kw__attn *a, const uint16_t *q, const uint32_t *kt, int64_t np, int64_t j0,
                          int64_t j1, int64_t rows, float *scores) {
-    float sums[16 * 16] __attribute__((aligned(64)));
-    const kw_v scale = kw_v_set1(a->scale);
-    for (int64_t j = j0; j < j1; j += 16) {
+    float sums[4][16 * 16] __attribute__((aligned(64)));
+    const int64_t half_d = a->D / 2;
+    int64_t j = j0;
+    for (; j + 64 <= j1; j += 64) {
+        const uint32_t *panels = kt + j / 16 * half_d * 16;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t d0 = 0; d0 < a->D; d0 += 32) {
+            _tile_loadd(4, q + d0, a->D * 2);
+            _tile_loadd(5, panels + d0 / 2 * 16, 64);
+            _tile_dpbf16ps(0, 4, 5);
+            _tile_loadd(6, panels + (half_d + d0 / 2) * 16, 64);
+            _tile_dpbf16ps(1, 4, 6);
+            _tile_loadd(7, panels + (2 * half_d + d0 / 2) * 16, 64);
+            _tile_dpbf16ps(2, 4, 7);
+            _tile_loadd(5, panels + (3 * half_d + d0 / 2) * 16, 64);
+            _tile_dpbf16ps(3, 4, 5);
+        }
+        _tile_stored(0, sums[0], 64);
+        _tile_stored(1, sums[1], 64);
+        _tile_stored(2, sums[2], 64);
+        _tile_stored(3, sums[3], 64);
+        add_scaled(a, (const float (*)[16 * 16])sums, 4, np, j, rows, scores);
+    }
+    for (; j < j1; j += 16) {
         _tile_zero(T_SCORES);
         for (int64_t d0 = 0; d0 < a->D; d0 += 32) {
             _tile_loadd(T_Q, q + d0, a->D * 2);
             _tile_loadd(T_K, kt + (j / 16 * (a->D / 2) + d0 / 2) * 16, 64);
             _tile_dpbf16ps(T_SCORES, T_Q, T_K);
         }
-        _tile_stored(T_SCORES, sums, 64);
-        for (int64_t t = 0; t < rows; t++) {
-            float *s = scores + t * np + j;
-            kw_v_storeu(s, kw_v_fmadd(kw_v_loadu(sums + t * 16), scale, kw_v_loadu(s)));
-        }
+        _tile_stored(T_SCORES, sums[0], 64);
+        add_scaled(a, (const float (*)[16 * 16])sums, 1, np, j, rows, scores);
     }
 }
 
