@@ -20,9 +20,7 @@
 #include "amx.h"
 #include "attention_simd.h"
 
-#define T_SCORES 0 /* Q·Kᵀ: 16 rows × 16 positions */
-#define T_Q 1      /* 16 rows × 32 of D */
-#define T_K 2      /* 16 pairs of D × 16 positions */
+#define T_Q 4      /* Q·Kᵀ: 16 rows × 32 of D; the sums are tiles 0-3 (16 positions each), K's panels 5-7 */
 #define T_P 4      /* P·V: 16 rows × 32 positions; the sums are tiles 0-3 (16 of Dv each) */
 #define T_V 5      /* 16 pairs of positions × 16 of Dv */
 #define ROWS KW__ATTN_ROWS_AMX
@@ -65,60 +63,57 @@ static void pack_values(const kw__attn *a, const char *v, const int32_t *pos, in
     }
 }
 
-/* scores[t · np + j0 + c · 16 + e] = sums[c][t · 16 + e] · scale + itself (the
- * mask's bias), for rows t < rows and the n_panels panels of 16 positions. */
-static inline void add_scaled(const kw__attn *a, const float (*sums)[16 * 16], int n_panels, int64_t np, int64_t j0,
-                              int64_t rows, float *scores) {
+/* scores[t · np + j] = dot(q_t, k[pos[j]]) · scale + scores[t · np + j] (the
+ * mask's bias) for rows t < rows and the C panels of 16 positions from j (C a
+ * constant at each call site: tile numbers are immediates), each panel into a
+ * tile of sums of its own, so that no product waits on the one before (one
+ * tile for every panel chained them: 17 % of Whisper-tiny's attention over
+ * 1500 positions waited there, perf). */
+static inline __attribute__((always_inline)) void scores_group(const kw__attn *a, const uint16_t *q,
+                                                               const uint32_t *kt, int64_t np, int64_t j,
+                                                               int64_t rows, float *scores, const int C) {
+    const int64_t half_d = a->D / 2;
+    const uint32_t *panels = kt + j / 16 * half_d * 16;
+    if (C > 0) _tile_zero(0);
+    if (C > 1) _tile_zero(1);
+    if (C > 2) _tile_zero(2);
+    if (C > 3) _tile_zero(3);
+    for (int64_t d0 = 0; d0 < a->D; d0 += 32) {
+        _tile_loadd(T_Q, q + d0, a->D * 2);
+#define KW__QK_PANEL(c, tk)                                                \
+    if (C > c) {                                                           \
+        _tile_loadd(tk, panels + ((c) * half_d + d0 / 2) * 16, 64);         \
+        _tile_dpbf16ps(c, T_Q, tk);                                        \
+    }
+        KW__QK_PANEL(0, 5)
+        KW__QK_PANEL(1, 6)
+        KW__QK_PANEL(2, 7)
+        KW__QK_PANEL(3, 5)
+#undef KW__QK_PANEL
+    }
+    float sums[4][16 * 16] __attribute__((aligned(64)));
+    if (C > 0) _tile_stored(0, sums[0], 64);
+    if (C > 1) _tile_stored(1, sums[1], 64);
+    if (C > 2) _tile_stored(2, sums[2], 64);
+    if (C > 3) _tile_stored(3, sums[3], 64);
     const kw_v scale = kw_v_set1(a->scale);
     for (int64_t t = 0; t < rows; t++)
-        for (int c = 0; c < n_panels; c++) {
-            float *s = scores + t * np + j0 + c * 16;
+        for (int c = 0; c < C; c++) {
+            float *s = scores + t * np + j + c * 16;
             kw_v_storeu(s, kw_v_fmadd(kw_v_loadu(sums[c] + t * 16), scale, kw_v_loadu(s)));
         }
 }
 
-/* scores[t · np + j] = dot(q_t, k[pos[j]]) · scale + scores[t · np + j] (the
- * mask's bias) for rows t < rows and j in [j0, j1): four panels of 16 at a time
- * into four tiles of sums, whose products do not wait on each other (one tile
- * per panel chained each product to the one before: 17 % of Whisper-tiny's
- * attention over 1500 positions waited there, perf), then a panel at a time. */
+/* scores_group over positions [j0, j1), four panels at a time. */
 static void scores_block(const kw__attn *a, const uint16_t *q, const uint32_t *kt, int64_t np, int64_t j0,
                          int64_t j1, int64_t rows, float *scores) {
-    float sums[4][16 * 16] __attribute__((aligned(64)));
-    const int64_t half_d = a->D / 2;
-    int64_t j = j0;
-    for (; j + 64 <= j1; j += 64) {
-        const uint32_t *panels = kt + j / 16 * half_d * 16;
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
-        for (int64_t d0 = 0; d0 < a->D; d0 += 32) {
-            _tile_loadd(4, q + d0, a->D * 2);
-            _tile_loadd(5, panels + d0 / 2 * 16, 64);
-            _tile_dpbf16ps(0, 4, 5);
-            _tile_loadd(6, panels + (half_d + d0 / 2) * 16, 64);
-            _tile_dpbf16ps(1, 4, 6);
-            _tile_loadd(7, panels + (2 * half_d + d0 / 2) * 16, 64);
-            _tile_dpbf16ps(2, 4, 7);
-            _tile_loadd(5, panels + (3 * half_d + d0 / 2) * 16, 64);
-            _tile_dpbf16ps(3, 4, 5);
+    for (int64_t j = j0; j < j1; j += 64) {
+        switch (KW__MIN(4, (j1 - j) / 16)) {
+        case 1: scores_group(a, q, kt, np, j, rows, scores, 1); break;
+        case 2: scores_group(a, q, kt, np, j, rows, scores, 2); break;
+        case 3: scores_group(a, q, kt, np, j, rows, scores, 3); break;
+        default: scores_group(a, q, kt, np, j, rows, scores, 4); break;
         }
-        _tile_stored(0, sums[0], 64);
-        _tile_stored(1, sums[1], 64);
-        _tile_stored(2, sums[2], 64);
-        _tile_stored(3, sums[3], 64);
-        add_scaled(a, (const float (*)[16 * 16])sums, 4, np, j, rows, scores);
-    }
-    for (; j < j1; j += 16) {
-        _tile_zero(T_SCORES);
-        for (int64_t d0 = 0; d0 < a->D; d0 += 32) {
-            _tile_loadd(T_Q, q + d0, a->D * 2);
-            _tile_loadd(T_K, kt + (j / 16 * (a->D / 2) + d0 / 2) * 16, 64);
-            _tile_dpbf16ps(T_SCORES, T_Q, T_K);
-        }
-        _tile_stored(T_SCORES, sums[0], 64);
-        add_scaled(a, (const float (*)[16 * 16])sums, 1, np, j, rows, scores);
     }
 }
 
