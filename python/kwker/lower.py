@@ -934,6 +934,18 @@ def _lower_square(lw: _Lowering, node: Node):
     lw.op(node, "binary", [lw.view(val(node)), lw.view(val(x)), lw.view(val(x))], [P["BINARY_MUL"]], [0.0])
 
 
+def _lower_convolution(lw: _Lowering, node: Node):
+    """A depthwise 2-D convolution (one filter a channel: ConvNeXt's 7 × 7,
+    MobileNet's 3 × 3) over channels-last memory natively; the op rejects other
+    layouts, and every other convolution stays oneDNN's through ATen."""
+    x, w, b, stride, padding, dilation, transposed, _, groups = node.args
+    xv, wv = val(x), val(w)
+    if transposed or wv.dim() != 4 or wv.shape[1] != 1 or not groups == wv.shape[0] == xv.shape[1]:
+        return False
+    lw.op(node, "depthwise_conv2d", [lw.view(val(node)), lw.view(xv), lw.view(wv), lw.arg_view(b)],
+          [*stride, *padding, *dilation])
+
+
 def _lower_kv_write(lw: _Lowering, node: Node):
     cache, dim, pos, src = node.args
     if dim % val(cache).dim() != 2:
@@ -990,6 +1002,7 @@ LOWERINGS = {
     aten.ge.Tensor: _compare("COMPARE_GE"),
     aten.ge.Scalar: _compare("COMPARE_GE"),
     aten.bmm.default: _lower_bmm,
+    aten.convolution.default: _lower_convolution,
     aten.baddbmm.default: _lower_bmm,
     aten.sum.dim_IntList: _lower_small_sum,
     aten.neg.default: _lower_neg,

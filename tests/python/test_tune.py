@@ -634,6 +634,48 @@ def test_t5s_per_head_position_bias_and_relu_mlp_are_native_steps(dtype):
     assert not {"kwker.attention.default", "aten.relu.default", "aten.where.self"} & set(detail["fallback_ops"]), detail
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_convnexts_depthwise_convolutions_are_native_steps_and_see_a_weight_edit(dtype):
+    """ConvNeXt's 7 x 7 depthwise convolutions run over channels-last memory
+    (its residual stream after the blocks' permutes) as kwker's own steps; its
+    stem and downsampling convolutions stay oneDNN's through ATen. The outputs
+    are eager's, also after a depthwise weight is edited in place."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.ConvNextConfig(num_channels=3, hidden_sizes=[16, 40], depths=[2, 1],
+                                           num_stages=2, image_size=32)
+    model = transformers.ConvNextModel(config).eval().to(dtype)
+    pixels = torch.randn(2, 3, 32, 32, dtype=dtype)
+    made, tol = {}, PLAN_TOLERANCE[dtype]
+    with torch.no_grad():
+        compiled = torch.compile(model, backend=plan_recording(made))
+        torch.testing.assert_close(compiled(pixel_values=pixels).last_hidden_state,
+                                   model(pixel_values=pixels).last_hidden_state, **tol)
+        model.encoder.stages[1].layers[0].dwconv.weight.mul_(-3.0)
+        torch.testing.assert_close(compiled(pixel_values=pixels).last_hidden_state,
+                                   model(pixel_values=pixels).last_hidden_state, **tol)
+    assert made["detail"]["fallback_ops"].count("aten.convolution.default") == 2, made["detail"]  # stem, downsampling
+    assert made["plan"].dump().count("depthwise_conv2d") == 3
+
+
+def test_a_depthwise_convolution_over_memory_not_channels_last_stays_atens():
+    """A depthwise convolution over contiguous (NCHW) memory is rejected by the
+    native op and runs as ATen's, with the same result; strided, dilated and
+    without a bias over channels-last memory it is native."""
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(24, 24, 3, stride=(2, 1), padding=(1, 3), dilation=(2, 1), groups=24, bias=False).eval()
+    for layout, native in ((torch.contiguous_format, False), (torch.channels_last, True)):
+        x = torch.randn(2, 24, 15, 13).contiguous(memory_format=layout)
+        made = {}
+        with torch.no_grad():
+            torch._dynamo.reset()
+            got = torch.compile(conv, backend=plan_recording(made))(x)
+            torch.testing.assert_close(got, conv(x), **PLAN_TOLERANCE[torch.float32])
+        assert ("aten.convolution.default" in made["detail"]["fallback_ops"]) != native, made["detail"]
+        assert ("depthwise_conv2d" in made["plan"].dump()) == native
+
+
 def test_gpt2s_written_out_gelu_is_one_tanh_gelu_and_glue_false_keeps_it():
     from transformers.activations import NewGELUActivation
 
