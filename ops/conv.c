@@ -1,8 +1,9 @@
 /* depthwise_conv2d: y = conv2d(x, w, b, stride, padding, dilation, groups = C)
  * for x and y in channels-last memory (each pixel's C channels contiguous), as
- * ConvNeXt's 7 × 7 and MobileNet's 3 × 3 depthwise convolutions run once the
- * residual stream is channels-last. ATen hands these to oneDNN as fallback
- * steps, each wrapped and its result copied into the plan's memory; here the C
+ * ConvNeXt's 7 × 7 depthwise convolutions run, its residual stream being
+ * channels-last after its blocks' permutes. ATen hands these to oneDNN as
+ * fallback steps, each wrapped and its result copied into the plan's memory,
+ * about 0.2 ms a step over ConvNeXt-tiny's small maps; here the C
  * channels of a pixel are the vector lanes, and each tap is one multiply-add
  * per pixel. Sums are f32 (the weights and bias read as f32, whatever their
  * dtype), each rounded once into y's dtype, as oneDNN's bf16 convolution does;

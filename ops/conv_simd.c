@@ -84,14 +84,17 @@ static void taps_row(const kw__conv *p, const float *wk, const float *row, float
 
 void KW__ISA_NAME(kw__depthwise_conv2d_rows)(const kw__conv *p, void *work, int64_t i0, int64_t i1) {
     const int64_t taps = p->KH * p->KW, R = kw__conv_ring_rows(p);
-    float *wt = work, *ring = wt + (taps + 1) * CB, *acc = ring + R * p->Wp * CB;
+    const int64_t blocks = kw__conv_blocks(p);
+    float *weights = work, *ring = weights + blocks * (taps + 1) * CB, *acc = ring + R * p->Wp * CB;
     int64_t *held = (int64_t *)(acc + p->OWr * CB); /* which input row each ring slot holds */
+    char *gathered = (char *)(held + R);             /* which blocks' weights are gathered */
     for (int64_t s = 0; s < R; s++) held[s] = -1;
-    int64_t have = -1; /* the channel block whose weights wt holds */
+    memset(gathered, 0, (size_t)blocks);
     for (int64_t i = i0; i < i1; i++) {
         int64_t cb, n, oh;
         kw__conv_item(p, i, &cb, &n, &oh);
-        if (cb != have) kw__conv_gather_weights(p, cb, wt), have = cb;
+        float *wt = weights + cb * (taps + 1) * CB;
+        if (!gathered[cb]) kw__conv_gather_weights(p, cb, wt), gathered[cb] = 1;
         const int64_t vmax = KW__MIN(CB, p->C - cb * CB);
         for (int64_t v = 0; v < vmax; v += KW_VW) {
             const kw_v bias = kw_v_loadu(wt + taps * CB + v);

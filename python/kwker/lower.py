@@ -936,8 +936,9 @@ def _lower_square(lw: _Lowering, node: Node):
 
 def _lower_convolution(lw: _Lowering, node: Node):
     """A depthwise 2-D convolution (one filter a channel: ConvNeXt's 7 × 7,
-    MobileNet's 3 × 3) over channels-last memory natively; the op rejects other
-    layouts, and every other convolution stays oneDNN's through ATen."""
+    whose input is channels-last after its blocks' permutes) natively; the op
+    rejects other layouts (MobileNet's NCHW), and those and every other
+    convolution stay oneDNN's through ATen."""
     x, w, b, stride, padding, dilation, transposed, _, groups = node.args
     xv, wv = val(x), val(w)
     if transposed or wv.dim() != 4 or wv.shape[1] != 1 or not groups == wv.shape[0] == xv.shape[1]:
