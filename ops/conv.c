@@ -10,6 +10,12 @@
  * the taps are summed in (kh, kw) order after the bias. */
 #include "conv.h"
 
+/* Bounds that keep the geometry's arithmetic far from overflow, and the
+ * scratch (kw__conv_work_size) within reason: beyond them the convolution is
+ * ATen's. */
+#define KW__CONV_MAX_IP 65536
+#define KW__CONV_MAX_WORK (64 << 20)
+
 static int channels_last(const kw_tensor *t) { return t->shape[1] == 1 || t->stride[1] == 1; }
 
 static int conv_prepare(const kw_call *c, kw_isa isa, void *prep, char *msg, size_t len) {
@@ -29,13 +35,14 @@ static int conv_prepare(const kw_call *c, kw_isa isa, void *prep, char *msg, siz
     if (kw__present(b) && (!kw__is_float(b->dtype) || b->ndim != 1 || b->shape[0] != p->C))
         return kw__fail(msg, len, KW_ESHAPE, "depthwise_conv2d: b must be absent or float32 or bfloat16 [%lld] (got %s)",
                         (long long)p->C, kw__shape(b).s);
+    for (int i = 0; i < 6; i++)
+        if (c->ip[i] < (i == 2 || i == 3 ? 0 : 1) || c->ip[i] > KW__CONV_MAX_IP)
+            return kw__fail(msg, len, KW_EINVAL,
+                            "depthwise_conv2d: ip (stride h, w, padding h, w, dilation h, w) must have strides and "
+                            "dilations in [1, 65536] and paddings in [0, 65536] (got %lld, %lld, %lld, %lld, %lld, %lld)",
+                            (long long)c->ip[0], (long long)c->ip[1], (long long)c->ip[2], (long long)c->ip[3],
+                            (long long)c->ip[4], (long long)c->ip[5]);
     p->sh = c->ip[0], p->sw = c->ip[1], p->ph = c->ip[2], p->pw = c->ip[3], p->dh = c->ip[4], p->dw = c->ip[5];
-    if (p->sh < 1 || p->sw < 1 || p->ph < 0 || p->pw < 0 || p->dh < 1 || p->dw < 1)
-        return kw__fail(msg, len, KW_EINVAL,
-                        "depthwise_conv2d: ip (stride h, w, padding h, w, dilation h, w) must have strides and "
-                        "dilations >= 1 and paddings >= 0 (got %lld, %lld, %lld, %lld, %lld, %lld)",
-                        (long long)p->sh, (long long)p->sw, (long long)p->ph, (long long)p->pw, (long long)p->dh,
-                        (long long)p->dw);
     const int64_t span_h = p->dh * (p->KH - 1) + 1, span_w = p->dw * (p->KW - 1) + 1;
     if (p->H + 2 * p->ph < span_h || p->W + 2 * p->pw < span_w)
         return kw__fail(msg, len, KW_ESHAPE, "depthwise_conv2d: the padded input %lld × %lld is smaller than the kernel's span %lld × %lld",
@@ -56,6 +63,11 @@ static int conv_prepare(const kw_call *c, kw_isa isa, void *prep, char *msg, siz
     p->OWr = (p->OW + KW__CONV_COLS - 1) / KW__CONV_COLS * KW__CONV_COLS;
     p->Wp = (p->OWr - 1) * p->sw + span_w;
     p->yt = y->dtype, p->xt = x->dtype, p->wt = w->dtype, p->bt = kw__present(b) ? b->dtype : KW_F32;
+    if (kw__conv_work_size(p) > KW__CONV_MAX_WORK)
+        return kw__fail(msg, len, KW_ESHAPE,
+                        "depthwise_conv2d: %lld channels over rows of %lld padded columns need %zu bytes of scratch a "
+                        "thread, more than %d",
+                        (long long)p->C, (long long)p->Wp, kw__conv_work_size(p), KW__CONV_MAX_WORK);
     p->run = KW__PICK(kw__depthwise_conv2d_rows, isa);
     return 0;
 }

@@ -135,9 +135,20 @@ Test(depthwise_conv2d, rejects_what_it_does_not_compute) {
     tt_expect_reject(KW_OP_DEPTHWISE_CONV2D, &c, KW_ESHAPE, "b must be absent or float32 or bfloat16 [8]");
     c = k.c;
     c.ip[4] = 0;
-    tt_expect_reject(KW_OP_DEPTHWISE_CONV2D, &c, KW_EINVAL, "strides and dilations >= 1");
+    tt_expect_reject(KW_OP_DEPTHWISE_CONV2D, &c, KW_EINVAL, "strides and dilations in [1, 65536]");
+    c = k.c;
+    c.ip[0] = 1 << 20; /* far past any image: bounded before the geometry's arithmetic */
+    tt_expect_reject(KW_OP_DEPTHWISE_CONV2D, &c, KW_EINVAL, "strides and dilations in [1, 65536]");
     c = k.c;
     c.ip[2] = 0, c.ip[4] = 4; /* a dilated 3 × 3 spans 9 rows of 6 */
     tt_expect_reject(KW_OP_DEPTHWISE_CONV2D, &c, KW_ESHAPE, "smaller than the kernel's span");
     tt_free(&k);
+
+    /* Rows of 160000 columns under 7 taps: a ring of 7 padded rows would need
+     * 72 MB of scratch a thread. */
+    const geometry wide = {1, 1, 7, 160000, 7, 1, 1, 1, 0, 0, 1, 1};
+    tt_case kw = {0};
+    make_call(&kw, &wide, KW_F32, KW_F32, 0, 0, 0, &r);
+    tt_expect_reject(KW_OP_DEPTHWISE_CONV2D, &kw.c, KW_ESHAPE, "bytes of scratch a thread, more than");
+    tt_free(&kw);
 }
