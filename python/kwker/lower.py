@@ -551,15 +551,43 @@ def _index_put_constant(lw: _Lowering, node: Node):
 
 
 def _lower_copy_into(lw: _Lowering, node: Node):
-    """dst.copy_(src): src broadcast to dst and converted to its dtype."""
+    """dst.copy_(src): src broadcast to dst and converted to its dtype. Where
+    dst is not dense (torch._debug_has_internal_overlap cannot tell whether
+    it overlaps itself: a pad's interior or borders), or src lies elsewhere in
+    dst's storage (a circular pad copies the padded tensor's edges into its
+    borders), the elements are enumerated: distinct in dst and none in src,
+    the copy is native, src copied out first where the two views' spans
+    overlap, which a step may not have."""
     dst, src = val(node.args[0]), val(node.args[1])
     try:
         src = src.expand(dst.shape)
     except RuntimeError:
         return False
-    if _writes_over_what_it_reads(dst, src):
+    if not _writes_over_what_it_reads(dst, src):
+        return lw.op(node, "convert", [lw.view(dst), lw.view(src)])
+    if not _distinct_elements(dst, src):
         return False
-    lw.op(node, "convert", [lw.view(dst), lw.view(src)])
+    same_storage = storage_key(src) == storage_key(dst)
+    lw.op(node, "convert", [lw.view(dst), lw.contiguous_copy(node, src) if same_storage else lw.view(src)])
+
+
+def _distinct_elements(dst: torch.Tensor, src: torch.Tensor, most: int = 1 << 20) -> bool:
+    """No element of dst is another of dst's, nor, over one storage, one of
+    src's. False where either has more than `most` elements, whose offsets
+    are not enumerated."""
+    if dst.numel() > most or src.numel() > most:
+        return False
+    with torch._subclasses.fake_tensor.unset_fake_temporarily():
+        def offsets(t):
+            off = torch.tensor([t.storage_offset()], dtype=torch.int64)
+            for size, stride in zip(t.shape, t.stride()):
+                off = (off[:, None] + torch.arange(size, dtype=torch.int64) * stride).reshape(-1)
+            return off
+
+        written = offsets(dst)
+        if written.unique().numel() != written.numel():
+            return False
+        return storage_key(src) != storage_key(dst) or not torch.isin(written, offsets(src)).any().item()
 
 
 def _lower_roll(lw: _Lowering, node: Node):
@@ -976,6 +1004,7 @@ LOWERINGS = {
     aten.sort.stable: _lower_sort,
     aten.cumsum.default: _lower_cumsum,
     aten.empty.memory_format: _lower_empty,
+    aten.new_empty.default: _lower_empty,
     aten.native_layer_norm.default: _lower_layer_norm,
     aten._softmax.default: _lower_softmax,
     aten._safe_softmax.default: _lower_safe_softmax,

@@ -659,6 +659,34 @@ def test_convnexts_depthwise_convolutions_are_native_steps_and_see_a_weight_edit
     assert made["plan"].dump().count("depthwise_conv2d") == 3
 
 
+def test_a_circular_pads_copies_within_one_tensor_are_native_steps():
+    """A circular pad writes the padded tensor's borders from its own edges:
+    copies whose source and destination are views of one storage with no
+    element in common, each a native step through a copy of its own (a plan
+    of those views was refused for their overlapping spans); a copy whose
+    source overlaps its destination stays PyTorch's."""
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(8, 8, 3, padding=1, groups=8, padding_mode="circular").eval()
+    x = torch.randn(2, 8, 9, 7)
+    made = {}
+    with torch.no_grad():
+        torch.testing.assert_close(torch.compile(conv, backend=plan_recording(made))(x), conv(x),
+                                   **PLAN_TOLERANCE[torch.float32])
+    fallbacks = made["detail"]["fallback_ops"]
+    assert "aten.copy_.default" not in fallbacks and "aten.new_empty.default" not in fallbacks, fallbacks
+
+    def shift(t):
+        h = t * 2
+        h[:, 1:].copy_(h[:, :-1])  # each element written is read by the next one
+        return h
+
+    t = torch.randn(4, 6)
+    made = {}
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.testing.assert_close(torch.compile(shift, backend="kwker")(t), shift(t))
+
+
 def test_a_depthwise_convolution_over_memory_not_channels_last_stays_atens():
     """A depthwise convolution over contiguous (NCHW) memory is rejected by the
     native op and runs as ATen's, with the same result; strided, dilated and
