@@ -63,6 +63,23 @@ static void pack_values(const kw__attn *a, const char *v, const int32_t *pos, in
     }
 }
 
+/* Tiles 0 .. C - 1, the sums of scores_group's and pv_group's C products at
+ * once (C a constant at each call site: tile numbers are immediates), zeroed,
+ * and stored 16 × 16 floats each. */
+static inline __attribute__((always_inline)) void zero_sums(const int C) {
+    if (C > 0) _tile_zero(0);
+    if (C > 1) _tile_zero(1);
+    if (C > 2) _tile_zero(2);
+    if (C > 3) _tile_zero(3);
+}
+
+static inline __attribute__((always_inline)) void store_sums(float sums[4][16 * 16], const int C) {
+    if (C > 0) _tile_stored(0, sums[0], 64);
+    if (C > 1) _tile_stored(1, sums[1], 64);
+    if (C > 2) _tile_stored(2, sums[2], 64);
+    if (C > 3) _tile_stored(3, sums[3], 64);
+}
+
 /* scores[t · np + j] = dot(q_t, k[pos[j]]) · scale + scores[t · np + j] (the
  * mask's bias) for rows t < rows and the C panels of 16 positions from j (C a
  * constant at each call site: tile numbers are immediates), each panel into a
@@ -74,10 +91,7 @@ static inline __attribute__((always_inline)) void scores_group(const kw__attn *a
                                                                int64_t rows, float *scores, const int C) {
     const int64_t half_d = a->D / 2;
     const uint32_t *panels = kt + j / 16 * half_d * 16;
-    if (C > 0) _tile_zero(0);
-    if (C > 1) _tile_zero(1);
-    if (C > 2) _tile_zero(2);
-    if (C > 3) _tile_zero(3);
+    zero_sums(C);
     for (int64_t d0 = 0; d0 < a->D; d0 += 32) {
         _tile_loadd(T_Q, q + d0, a->D * 2);
 #define KW__QK_PANEL(c, tk)                                                \
@@ -92,10 +106,7 @@ static inline __attribute__((always_inline)) void scores_group(const kw__attn *a
 #undef KW__QK_PANEL
     }
     float sums[4][16 * 16] __attribute__((aligned(64)));
-    if (C > 0) _tile_stored(0, sums[0], 64);
-    if (C > 1) _tile_stored(1, sums[1], 64);
-    if (C > 2) _tile_stored(2, sums[2], 64);
-    if (C > 3) _tile_stored(3, sums[3], 64);
+    store_sums(sums, C);
     const kw_v scale = kw_v_set1(a->scale);
     for (int64_t t = 0; t < rows; t++)
         for (int c = 0; c < C; c++) {
@@ -125,10 +136,7 @@ static inline __attribute__((always_inline)) void pv_group(const kw__attn *a, co
                                                            int64_t c0, const float *inv, int64_t rows,
                                                            const int64_t *oo, const int C) {
     const int64_t chunks = a->Dv / 16;
-    if (C > 0) _tile_zero(0);
-    if (C > 1) _tile_zero(1);
-    if (C > 2) _tile_zero(2);
-    if (C > 3) _tile_zero(3);
+    zero_sums(C);
     for (int64_t j = j0; j < j1; j += 32) {
         _tile_loadd(T_P, probs + j, np * 2);
         const uint16_t *step = vpairs + (j / 32 * chunks + c0) * 512;
@@ -144,10 +152,7 @@ static inline __attribute__((always_inline)) void pv_group(const kw__attn *a, co
 #undef KW__PV_CHUNK
     }
     float sums[4][16 * 16] __attribute__((aligned(64)));
-    if (C > 0) _tile_stored(0, sums[0], 64);
-    if (C > 1) _tile_stored(1, sums[1], 64);
-    if (C > 2) _tile_stored(2, sums[2], 64);
-    if (C > 3) _tile_stored(3, sums[3], 64);
+    store_sums(sums, C);
     for (int64_t t = 0; t < rows; t++)
         for (int c = 0; c < C; c++)
             kw_v_st(a->o, oo[t] + (c0 + c) * 16, a->ot, kw_v_mul(kw_v_loadu(sums[c] + t * 16), kw_v_set1(inv[t])));
