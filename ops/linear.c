@@ -130,6 +130,10 @@ void kw__linear_run(const kw_call *c, const kw__lin *prepared, int ith, int nth)
     g.x = c->t[g.slots].data, g.w = c->t[g.slots + 1].data, g.b = c->t[g.slots + 2].data;
     for (int j = 0; j < g.n_out; j++) g.out[j].y = c->t[j].data;
     void *work = kw__work(c, ith);
+    if (kw__lin_amx_by_rows(&g)) {
+        kw__linear_by_rows_amx(&g, c->share, ith, nth, work);
+        return;
+    }
     const int64_t M = g.M, rows = kw__lin_panel_rows(&g);
     const char *const x = g.x;
     char *y[KW__LIN_MAX_OUT];

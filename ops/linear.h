@@ -25,6 +25,9 @@ KW__VARIANTS(void, kw__linear_rows, (const kw__lin *g, int64_t n0, int64_t n1, v
 void kw__linear_acts_amx(const kw__lin *g, void *work);
 void kw__linear_rows_amx(const kw__lin *g, int64_t n0, int64_t n1, void *work);
 void kw__linear_done_amx(const kw__lin *g);
+/* On AMX, many rows of x over a small weight (kw__lin_amx_by_rows): the whole
+ * call on this thread's claims of rows of x. */
+void kw__linear_by_rows_amx(const kw__lin *g, uint64_t *share, int ith, int nth, void *work);
 
 struct kw__lin {
     const char *x; /* M rows of K, row stride xs */
@@ -147,7 +150,45 @@ static inline int64_t kw__lin_panel_rows(const kw__lin *g) {
     return KW__MAX(2, (512 << 10) / block_bytes / 2 * 2) * 16;
 }
 
+/* The weight in the AMX kernel's B tiles, for the product by rows of x: every
+ * group of 16 weight rows × every step of 32 along K (each block of K padded to
+ * whole steps) × 16 rows of K pairs × 16 weight rows. */
+static inline size_t kw__lin_amx_packed_w_bytes(const kw__lin *g) {
+    return (size_t)(g->n_total * (g->K / g->kblk) * kw__lin_block_padded(g->kblk)) * 2;
+}
+
+/* Many rows of x over a small weight run untransposed on AMX, Y = X·Wᵀ with
+ * rows of x as the A tiles and the weight, laid out once a call in each
+ * thread's scratch, as the B tiles (linear_amx.c): threads split the rows of x,
+ * and neither x nor the sums are transposed. The transposed product lays out
+ * x once a call for all weight rows (a cost that N amortizes) and transposes
+ * every 16 × 16 tile of sums (one for every K / 32 tile products), so it loses
+ * most where K or N is small. bf16, 2 threads on a 2-vCPU Xeon, by rows
+ * against transposed, two runs each: ConvNeXt-tiny's first stage at batch 8
+ * (25088 rows) 96 → 384 1.35-1.44 ms against 2.66-3.20 and 384 → 96
+ * 1.08-1.13 against 2.66-2.80; Whisper-tiny's MLP at batch 8 (12000 rows, 384
+ * → 1536) 6.4-6.6 against 9.3-10.0; f32 x (three parts) 384 → 96 5.4 against
+ * 15.3. It lost where both K and N are 768 (0.95 against 0.90 ms at 768 rows:
+ * a pair of groups' B tiles over the whole of K no longer fit L1 beside the A
+ * tiles) and with a weight past L2 (768 → 3072 at 392 rows: 2.0 against 1.0
+ * ms, every thread laying out all of it). */
+#define KW__LIN_BY_ROWS_MIN_M 256
+#define KW__LIN_BY_ROWS_MAX_KN 384      /* the smaller of K and N */
+#define KW__LIN_BY_ROWS_MAX_W (3 << 19) /* the weight's bytes, 1.5 MiB of a 2 MiB L2 */
+static inline int kw__lin_amx_by_rows(const kw__lin *g) {
+    return g->amx_parts && g->M >= KW__LIN_BY_ROWS_MIN_M && KW__MIN(g->K, g->n_total) <= KW__LIN_BY_ROWS_MAX_KN &&
+           kw__lin_amx_packed_w_bytes(g) <= KW__LIN_BY_ROWS_MAX_W;
+}
+
+/* Its scratch: the packed weight, two blocks of x laid out (every part, when
+ * they cannot be read in place) and four tiles of sums. */
+static inline size_t kw__lin_amx_by_rows_bytes(const kw__lin *g) {
+    const size_t block = (size_t)(16 * (g->K / g->kblk) * kw__lin_block_padded(g->kblk)) * 2;
+    return kw__lin_amx_packed_w_bytes(g) + 2 * (size_t)g->amx_parts * block + 4 * 1024 + 128;
+}
+
 static inline size_t kw__lin_work_size(const kw__lin *g) {
+    if (kw__lin_amx_by_rows(g)) return kw__lin_amx_by_rows_bytes(g);
     kw__lin panel = *g;
     panel.M = KW__MIN(g->M, kw__lin_panel_rows(g));
     const int64_t partial = g->kblk < g->K ? panel.M * kw__lin_chunk_rows(&panel) : 0;

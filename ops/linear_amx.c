@@ -7,8 +7,9 @@
  *
  * The product is computed transposed, Yᵀ = W·Xᵀ: the weight rows are the A tile,
  * read in place from PyTorch's [N, K] layout (or K-blocked [K / B, N, B]) with
- * the row stride, so weights need no copy of their own; x is rearranged once per
- * call into the B tiles' pair layout (`acts`, into the thread's scratch): for
+ * the row stride, so weights need no copy of their own (many rows of x over a
+ * small weight take the product the other way round, at the end of this file);
+ * x is rearranged once per call into the B tiles' pair layout (`acts`, into the thread's scratch): for
  * each block of up to 16 rows of x and each step of 32 along K, 16 rows of K
  * pairs × the block's rows of x. A step shorter than 32 at the end of a block of
  * K (K = 100: a step of 4) uses tiles configured that short; K must be even.
@@ -135,6 +136,15 @@ static void lay_out_block(const kw__lin *g, char *work, int64_t mb, int64_t kb, 
     }
 }
 
+/* The three bf16 parts of an f32 x, as rest_after splits a vector's. */
+static inline void f32_parts(float x, uint16_t part[3]) {
+    for (int p = 0; p < 3; p++) {
+        part[p] = kw__f32_to_bf16(x);
+        x -= kw__bf16_to_f32(part[p]);
+        if (isnan(x)) x = 0; /* as rest_after */
+    }
+}
+
 /* The same for `width` rows of x, element by element: the last block of a
  * narrow call, and the short step that ends a block of K. */
 static void lay_out_rows(const kw__lin *g, char *work, int64_t mb, int64_t width, int64_t kb, int64_t s) {
@@ -150,12 +160,9 @@ static void lay_out_rows(const kw__lin *g, char *work, int64_t mb, int64_t width
                 step[0][at] = ((const uint16_t *)g->x)[m * g->xs + k0 + kk];
                 continue;
             }
-            float rest = ((const float *)g->x)[m * g->xs + k0 + kk];
-            for (int p = 0; p < 3; p++) {
-                step[p][at] = kw__f32_to_bf16(rest);
-                rest -= kw__bf16_to_f32(step[p][at]);
-                if (isnan(rest)) rest = 0; /* as rest_after */
-            }
+            uint16_t part[3];
+            f32_parts(((const float *)g->x)[m * g->xs + k0 + kk], part);
+            for (int p = 0; p < 3; p++) step[p][at] = part[p];
         }
     }
 }
@@ -270,45 +277,52 @@ static inline kw_v group_bias(const kw__lin *g, int64_t n) {
     return kw_v_loadu(bias);
 }
 
-/* The sums of weight rows n .. n + 15 against block mb of x (16 × 16, weight
- * row by row of x), transposed in registers to a row of x each, biased. */
-static inline void biased_rows(const kw__lin *g, const float *sums, int64_t n, kw_v *v) {
+/* The sums of weight rows n .. n + 15 against 16 rows of x, biased, a row of x
+ * each: from the transposed product's tile (weight row by row of x),
+ * transposed in registers, or from the product by rows' (row of x by weight row). */
+static inline void biased_rows(const kw__lin *g, const float *sums, int64_t n, int transposed, kw_v *v) {
     for (int r = 0; r < 16; r++) v[r] = kw_v_loadu(sums + r * 16);
-    kw_v_transpose(v);
+    if (transposed) kw_v_transpose(v);
     const kw_v bias = group_bias(g, n);
     for (int r = 0; r < 16; r++) v[r] = kw_v_add(v[r], bias);
 }
 
-/* y for block mb of x and weight rows n .. n + 15, from their sums; with
- * `next` (the sums of rows n + 16 .. n + 31), those too, as whole 64-byte rows
- * of bf16 y where both groups fall in one output. */
-static void store_sums(const kw__lin *g, const float *sums, const float *next, int64_t n, int64_t mb) {
-    const int64_t width = next ? 32 : 16, rows = KW__MIN(16, g->M - mb * 16);
+/* y for `rows` rows of x from m0 and weight rows n .. n + 15, from their sums;
+ * with `next` (the sums of rows n + 16 .. n + 31), those too, as whole 64-byte
+ * rows of bf16 y where both groups fall in one output. */
+static void store_sums(const kw__lin *g, const float *sums, const float *next, int64_t n, int64_t m0, int64_t rows,
+                       int transposed) {
+    const int64_t width = next ? 32 : 16;
     int j = 0;
     int64_t s0, s1;
     char *y = NULL;
     while (!kw__lin_segment(g, j, n, n + width, &s0, &s1, &y)) j++;
     if (next && (s1 - s0 < 32 || g->yt != KW_BF16)) {
-        store_sums(g, sums, NULL, n, mb);
-        store_sums(g, next, NULL, n + 16, mb);
+        store_sums(g, sums, NULL, n, m0, rows, transposed);
+        store_sums(g, next, NULL, n + 16, m0, rows, transposed);
         return;
     }
     kw_v v[16], w[16];
-    biased_rows(g, sums, n, v);
+    biased_rows(g, sums, n, transposed, v);
     if (next) {
-        biased_rows(g, next, n + 16, w);
+        biased_rows(g, next, n + 16, transposed, w);
         for (int64_t mi = 0; mi < rows; mi++)
-            _mm512_storeu_si512((uint16_t *)y + (mb * 16 + mi) * g->out[j].ys, kw__narrow2_bf16(v[mi], w[mi]));
+            _mm512_storeu_si512((uint16_t *)y + (m0 + mi) * g->out[j].ys, kw__narrow2_bf16(v[mi], w[mi]));
     } else {
-        for (int64_t mi = 0; mi < rows; mi++) kw_v_st(y, (mb * 16 + mi) * g->out[j].ys, g->yt, v[mi]);
+        for (int64_t mi = 0; mi < rows; mi++) kw_v_st(y, (m0 + mi) * g->out[j].ys, g->yt, v[mi]);
     }
+}
+
+/* The transposed product's sums for block mb of x. */
+static void store_block(const kw__lin *g, const float *sums, const float *next, int64_t n, int64_t mb) {
+    store_sums(g, sums, next, n, mb * 16, KW__MIN(16, g->M - mb * 16), 1);
 }
 
 /* y for blocks mb and mb + 1 (when there is one) of weight rows n, n + 16 (when `two`). */
 static void store_pair(const kw__lin *g, const float *sums, int64_t n, int64_t mb, int two) {
     const float *tiles = sums + mb / 2 * 1024;
-    store_sums(g, tiles, two ? tiles + 512 : NULL, n, mb);
-    if (mb + 1 < (g->M + 15) / 16) store_sums(g, tiles + 256, two ? tiles + 768 : NULL, n, mb + 1);
+    store_block(g, tiles, two ? tiles + 512 : NULL, n, mb);
+    if (mb + 1 < (g->M + 15) / 16) store_block(g, tiles + 256, two ? tiles + 768 : NULL, n, mb + 1);
 }
 
 /* In the last chunk of K each pair of blocks' sums are stored after the next
@@ -350,8 +364,154 @@ void kw__linear_rows_amx(const kw__lin *g, int64_t n0, int64_t n1, void *work) {
             group_block(g, work, n, mb, is_part);
             if (is_part) STORE(T_C_PART, sums, 64);
             else STORE(T_C, sums, 64);
-            store_sums(g, &sums[0][0], NULL, n, mb);
+            store_block(g, &sums[0][0], NULL, n, mb);
         }
+}
+
+/* ---- The product by rows of x (kw__lin_amx_by_rows) ----
+ * Y = X·Wᵀ: 16 rows of x × 32 of K are the A tile, read in place from bf16 x
+ * whose blocks of K are whole steps, else laid out a block at a time (f32 x's
+ * three parts, a block's K padded to whole steps, the rows past M zero); the
+ * weight, 16 rows × a step of 32 as 16 rows of K pairs, is the B tile, laid
+ * out once a call by each thread with work. Each tile of sums is a block of x's
+ * rows by 16 weight rows, so it is stored as it is: no transpose of x or of y.
+ * Two blocks of x against two groups of weight rows over the whole of K in
+ * four C tiles, as the wide transposed tiles; the thread's weight (at most
+ * KW__LIN_BY_ROWS_MAX_W) stays in its L2 while it works through its rows. */
+
+/* Steps of 32 along the whole of K (each block padded to whole steps). */
+static int64_t all_steps(const kw__lin *g) { return (g->K / g->kblk) * steps_per_block(g); }
+
+/* The weight's B tiles: group n / 16, step t at packed + (n / 16 · all_steps + t) · 1 KiB. */
+static void lay_out_weight(const kw__lin *g, char *packed) {
+    const int64_t spb = steps_per_block(g);
+    for (int64_t n = 0; n < g->n_total; n += 16)
+        for (int64_t kb = 0; kb < g->K / g->kblk; kb++)
+            for (int64_t s = 0; s < spb; s++) {
+                const int64_t k = KW__MIN(32, g->kblk - s * 32); /* K of this step, even */
+                const __mmask32 keep = (__mmask32)(k == 32 ? ~0u : (1u << k) - 1);
+                kw_v v[16];
+                for (int r = 0; r < 16; r++)
+                    v[r] = _mm512_castsi512_ps(_mm512_maskz_loadu_epi16(keep, kw__lin_wrow(g, kb, n + r) + s * 64));
+                kw_v_transpose(v);
+                char *tile = packed + (size_t)((n / 16 * all_steps(g) + kb * spb + s) * 1024);
+                for (int kp = 0; kp < 16; kp++) kw_v_storeu((float *)(tile + kp * 64), v[kp]);
+            }
+}
+
+/* Rows m0 .. m0 + 15 of x as A tiles: part p's step t at a[p] + t · 64, rows
+ * *stride bytes apart; laid out into `into` (16 rows × all_steps × 64 bytes a
+ * part) unless read in place. */
+static void rows_of_x(const kw__lin *g, int64_t m0, char *into, const char *a[3], int64_t *stride) {
+    const int64_t steps = all_steps(g), spb = steps_per_block(g);
+    const size_t xsz = kw_dtype_size(g->xt);
+    if (g->xt == KW_BF16 && g->kblk % 32 == 0 && m0 + 16 <= g->M) {
+        a[0] = g->x + (size_t)(m0 * g->xs) * xsz;
+        *stride = g->xs * 2;
+        return;
+    }
+    *stride = steps * 64;
+    char *dst[3];
+    for (int p = 0; p < g->amx_parts; p++) a[p] = dst[p] = into + (size_t)p * 16 * steps * 64;
+    for (int64_t mi = 0; mi < 16; mi++) {
+        const int64_t m = m0 + mi;
+        if (m >= g->M) {
+            for (int p = 0; p < g->amx_parts; p++) memset(dst[p] + mi * *stride, 0, (size_t)*stride);
+            continue;
+        }
+        const char *xrow = g->x + (size_t)(m * g->xs) * xsz;
+        for (int64_t kb = 0; kb < g->K / g->kblk; kb++)
+            for (int64_t s = 0; s < spb; s++) {
+                const int64_t k0 = kb * g->kblk + s * 32, k = KW__MIN(32, g->kblk - s * 32);
+                const size_t at = (size_t)(mi * *stride + (kb * spb + s) * 64);
+                if (k == 32 && g->xt == KW_BF16) {
+                    _mm512_storeu_si512(dst[0] + at, _mm512_loadu_si512(xrow + (size_t)k0 * 2));
+                    continue;
+                }
+                if (k == 32) { /* the three parts in turn, as row_pairs splits them */
+                    kw_v lo = kw_v_loadu((const float *)xrow + k0), hi = kw_v_loadu((const float *)xrow + k0 + 16);
+                    for (int p = 0; p < 3; p++) {
+                        _mm512_storeu_si512(dst[p] + at, _mm512_inserti64x4(_mm512_castsi256_si512(kw__narrow_bf16(lo)),
+                                                                            kw__narrow_bf16(hi), 1));
+                        lo = rest_after(lo), hi = rest_after(hi);
+                    }
+                    continue;
+                }
+                for (int64_t kk = 0; kk < 32; kk++) { /* the padding is zeros */
+                    uint16_t part[3] = {0, 0, 0};
+                    if (kk < k && g->xt == KW_BF16) part[0] = ((const uint16_t *)xrow)[k0 + kk];
+                    else if (kk < k) f32_parts(((const float *)xrow)[k0 + kk], part);
+                    for (int p = 0; p < g->amx_parts; p++) ((uint16_t *)(dst[p] + at))[kk] = part[p];
+                }
+            }
+    }
+}
+
+/* Rows m0 .. m0 + 31 of x (those below M) by every weight row. */
+static void by_rows_pair(const kw__lin *g, const char *packed, char *blocks, float *sums, int64_t m0) {
+    const int64_t steps = all_steps(g), block_bytes = 16 * steps * 64 * g->amx_parts;
+    const int pair = m0 + 16 < g->M;
+    const char *a0[3], *a1[3];
+    int64_t s0, s1;
+    rows_of_x(g, m0, blocks, a0, &s0);
+    if (pair) rows_of_x(g, m0 + 16, blocks + block_bytes, a1, &s1);
+    for (int64_t n = 0; n < g->n_total; n += 32) {
+        const int two = n + 16 < g->n_total;
+        const char *b0 = packed + (size_t)(n / 16 * steps * 1024), *b1 = b0 + steps * 1024;
+        ZERO(W_C00);
+        if (two) ZERO(W_C01);
+        if (pair) ZERO(W_C10);
+        if (two && pair) ZERO(W_C11);
+        for (int64_t t = 0; t < steps; t++) {
+            LOAD(W_B0, b0 + t * 1024, 64);
+            if (two) LOAD(W_B1, b1 + t * 1024, 64);
+            for (int p = 0; p < g->amx_parts; p++) {
+                LOAD(W_A0, a0[p] + t * 64, s0);
+                DOT(W_C00, W_A0, W_B0);
+                if (two) DOT(W_C01, W_A0, W_B1);
+                if (pair) {
+                    LOAD(W_A1, a1[p] + t * 64, s1);
+                    DOT(W_C10, W_A1, W_B0);
+                    if (two) DOT(W_C11, W_A1, W_B1);
+                }
+            }
+        }
+        STORE(W_C00, sums, 64);
+        if (two) STORE(W_C01, sums + 256, 64);
+        store_sums(g, sums, two ? sums + 256 : NULL, n, m0, KW__MIN(16, g->M - m0), 0);
+        if (!pair) continue;
+        STORE(W_C10, sums + 512, 64);
+        if (two) STORE(W_C11, sums + 768, 64);
+        store_sums(g, sums + 512, two ? sums + 768 : NULL, n, m0 + 16, KW__MIN(16, g->M - m0 - 16), 0);
+    }
+}
+
+/* Pairs of blocks of x are claimed a few at a time from share word 0 (static
+ * ranges without a share line), so that a thread on a slower core leaves the
+ * last ones to the other. */
+void kw__linear_by_rows_amx(const kw__lin *g, uint64_t *share, int ith, int nth, void *work) {
+    const int64_t units = (g->M + 31) / 32, grab = KW__MAX(1, KW__MIN(4, units / (8 * nth)));
+    char *packed = work, *blocks = packed + kw__lin_amx_packed_w_bytes(g);
+    float *sums = (float *)(blocks + 2 * (size_t)g->amx_parts * 16 * all_steps(g) * 64);
+    int64_t u0 = 0, u1 = 0;
+    int laid_out = 0;
+    if (!share) kw__split(units, 1, ith, nth, &u0, &u1);
+    for (int first = 1;; first = 0) {
+        if (share) {
+            u0 = (int64_t)__atomic_fetch_add(share, (uint64_t)grab, __ATOMIC_RELAXED);
+            u1 = KW__MIN(units, u0 + grab);
+        } else if (!first) {
+            break;
+        }
+        if (u0 >= u1) break;
+        if (!laid_out) {
+            kw__amx_load_full_tiles();
+            lay_out_weight(g, packed);
+            laid_out = 1;
+        }
+        for (int64_t u = u0; u < u1; u++) by_rows_pair(g, packed, blocks, sums, u * 32);
+    }
+    if (laid_out) _tile_release();
 }
 
 void kw__linear_done_amx(const kw__lin *g) { _tile_release(); }

@@ -177,17 +177,19 @@ Test(linear, amx_shapes_match_the_reference) {
 /* The rows of x in the AMX kernel's panels (kw__lin_panel_rows): more rows than
  * a panel, so that x is laid out and multiplied panel after panel, the last one
  * short (an odd block, a block of fewer than 16 rows); weight groups stored in
- * pairs, and split where a pair straddles two outputs of linear_multi. */
+ * pairs, and split where a pair straddles two outputs of linear_multi. Fewer
+ * rows than the product by rows of x takes (kw__lin_amx_by_rows), so long rows
+ * of x make the panels short. */
 Test(linear, amx_panels_of_x_match_the_reference) {
     tt_rng r = {29};
     static const struct {
         kw_dtype xt;
         int64_t M, K, n_out, N[3];
     } cases[] = {
-        {KW_BF16, 600, 960, 1, {80}},          /* panels of 256 rows */
-        {KW_BF16, 530, 960, 3, {16, 64, 48}}, /* pairs (0, 16) and (64, 80) straddle outputs */
-        {KW_BF16, 520, 960, 1, {48}},          /* a last panel of 8 rows: narrow tiles */
-        {KW_F32, 150, 960, 1, {48}},          /* three parts: panels of 64 rows; f32 y */
+        {KW_BF16, 150, 4000, 1, {80}},          /* panels of 64 rows */
+        {KW_BF16, 146, 4000, 3, {16, 64, 48}}, /* pairs (0, 16) and (64, 80) straddle outputs */
+        {KW_BF16, 136, 4000, 1, {48}},          /* a last panel of 8 rows: narrow tiles */
+        {KW_F32, 150, 960, 1, {48}},           /* three parts: panels of 64 rows; f32 y */
     };
     for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
         const kw_dtype xt = cases[i].xt;
@@ -210,8 +212,55 @@ Test(linear, amx_panels_of_x_match_the_reference) {
             kw_call call = k.c;
             char msg[256];
             cr_assert_eq(kw_op_prepare(op, &call, kw_cpu_isa(), &prep, msg, sizeof msg), 0, "%s", msg);
-            cr_assert(prep.rows == kw__linear_rows_amx && M > 2 * kw__lin_panel_rows(&prep),
+            cr_assert(prep.rows == kw__linear_rows_amx && !kw__lin_amx_by_rows(&prep) &&
+                          M > 2 * kw__lin_panel_rows(&prep),
                       "%s: not three panels on the AMX kernel", what);
+        }
+        tt_check_variants(op, &k, lin_tol(xt, K), what);
+        tt_free(&k);
+    }
+}
+
+/* Many rows of x over a small weight, the product by rows of x
+ * (kw__lin_amx_by_rows): a last pair of blocks that is one block, or one of
+ * fewer than 16 rows; K in place (bf16, whole steps), padded (a short step,
+ * K-blocked weights) or split in parts (f32 x); an odd group of weight rows
+ * left over, outputs of linear_multi split inside a pair of groups; padded rows
+ * of x and of y, biases of either dtype. On an AMX CPU it must be the kernel
+ * that ran; elsewhere these are AVX-512 cases. */
+Test(linear, amx_by_rows_of_x_match_the_reference) {
+    tt_rng r = {37};
+    static const int64_t Ms_rows[] = {256, 257, 272, 300, 319};
+    static const int64_t Ks_rows[] = {2, 30, 96, 100, 192, 384};
+    static const int64_t Ns_rows[] = {16, 48, 96, 112};
+    const int amx = kw_cpu_isa() >= KW_ISA_AMX;
+    for (int trial = 0; trial < 40; trial++) {
+        const kw_dtype xt = trial % 2 ? KW_F32 : KW_BF16;
+        const int64_t M = PICK(Ms_rows, &r), K = PICK(Ks_rows, &r), N = PICK(Ns_rows, &r);
+        const int blocked = trial % 5 == 4 && K >= 64, multi = trial % 3 == 1;
+        tt_case k = {0};
+        const kw_op_id op = multi ? KW_OP_LINEAR_MULTI : KW_OP_LINEAR;
+        const int xslot = multi ? 4 : 1;
+        if (multi) { /* outputs of 16, then the rest */
+            tt_padded(&k, 0, xt, 2, TT_DIMS(M, 16), tt_int(&r, 0, 2), 0, 0, &r);
+            if (N > 16) tt_padded(&k, 1, xt, 2, TT_DIMS(M, N - 16), tt_int(&r, 0, 2), 0, 0, &r);
+        } else {
+            tt_padded(&k, 0, xt, 3, TT_DIMS(1, M, N), tt_int(&r, 0, 1) * 3, 0, 0, &r);
+        }
+        tt_padded(&k, xslot, xt, 2, TT_DIMS(M, K), tt_int(&r, 0, 1) * tt_int(&r, 1, 9) * 2, -1, 1, &r);
+        if (blocked) make_blocked_w(&k, xslot + 1, KW_BF16, K, N, K / 2 % 2 ? K : K / 2, &r);
+        else tt_padded(&k, xslot + 1, KW_BF16, 2, TT_DIMS(N, K), tt_int(&r, 0, 1) * 5, -1, 1, &r);
+        if (trial % 4 < 2) tt_tensor(&k, xslot + 2, tt_int(&r, 0, 1) ? KW_F32 : KW_BF16, 1, TT_DIMS(N), NULL, -1, 1, &r);
+        char what[96];
+        snprintf(what, sizeof what, "%s x %s M=%lld K=%lld N=%lld%s", multi ? "linear_multi" : "linear",
+                 kw_dtype_name(xt), (long long)M, (long long)K, (long long)N, blocked ? " k-blocked" : "");
+        if (amx) {
+            kw__lin prep;
+            kw_call call = k.c;
+            char msg[256];
+            cr_assert_eq(kw_op_prepare(op, &call, kw_cpu_isa(), &prep, msg, sizeof msg), 0, "%s", msg);
+            cr_assert(prep.rows == kw__linear_rows_amx && kw__lin_amx_by_rows(&prep),
+                      "%s: not the product by rows of x", what);
         }
         tt_check_variants(op, &k, lin_tol(xt, K), what);
         tt_free(&k);
