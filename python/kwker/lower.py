@@ -66,6 +66,9 @@ class _Lowering:
         self.views: dict[tuple, int] = {}
         self.folded: dict[Node, torch.Tensor] = {}  # nodes evaluated at compile time
         self.constant_storages: set[int] = set()
+        # storage -> the tensor its constant buffer was made from, where that is the
+        # storage in its fake value's layout (not a weight copy's own layout)
+        self.constant_tensors: dict[int, torch.Tensor] = {}
         # storages an in-place op writes (its result is the written tensor, the same storage)
         self.written_storages = {storage_key(t) for n in gm.graph.nodes if n.op == "call_function" and _is_inplace_op(n)
                                  for t in _tensor_vals(n)}
@@ -102,6 +105,8 @@ class _Lowering:
             return self.declare_written_constant(node, tensor)
         self.buffers[storage_key(val(node))] = (self.b.constant(tensor, node.name), tensor.storage_offset())
         self.constant_storages.add(storage_key(val(node)))
+        if not (node.op == "get_attr" and node.target in self.copies):
+            self.constant_tensors[storage_key(val(node))] = tensor
         self.folded[node] = tensor
 
     def declare_written_constant(self, node: Node, tensor: torch.Tensor):
@@ -241,7 +246,21 @@ class _Lowering:
         result = _evaluate(node, self.folded)
         if not isinstance(result, torch.Tensor):
             raise NotLowerable(f"{node.name} folds to a {type(result).__name__}")
+        if _is_view_op(node) and self._views_declared_constant(node, result):
+            self.folded[node] = result  # read through the constant's own buffer, as any view
+            return
         self.declare_constant(node, result.contiguous() if _is_view_op(node) else result)
+
+    def _views_declared_constant(self, node: Node, result: torch.Tensor) -> bool:
+        """result (node's folded value, a view) lies in the tensor its storage's
+        constant buffer was made from, where node's fake value says: a copy of
+        its own would replace that storage's buffer, under every other view of
+        it (a slice then read through a transpose's contiguous copy)."""
+        base = self.constant_tensors.get(storage_key(val(node)))
+        fake = val(node)
+        return (base is not None and base.dtype == result.dtype
+                and base.untyped_storage().data_ptr() == result.untyped_storage().data_ptr()
+                and (result.storage_offset(), result.stride()) == (fake.storage_offset(), fake.stride()))
 
     def fallback(self, node: Node, why: str):
         inputs = [a for a in _flat((node.args, node.kwargs)) if isinstance(a, Node)]

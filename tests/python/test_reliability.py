@@ -221,6 +221,56 @@ def test_a_value_folded_at_compile_time_is_returned_fresh_by_every_call():
     assert first[1].data_ptr() != second[1].data_ptr()
 
 
+def _recorded_plan(made: dict):
+    from kwker.plan import compile_plan
+
+    def backend(gm, example_inputs):
+        made["plan"], made["detail"] = compile_plan(gm, example_inputs)
+        return made["plan"]
+
+    return backend
+
+
+def test_two_folded_views_of_one_constant_each_read_their_own_values():
+    """A constant the forward makes (an arange) and two views of it, each
+    folded at compile time: the later fold (the transpose) replaced the
+    storage's buffer with a contiguous copy of its own, and the slice, read
+    after it, was read through the transpose's values (433 for eager's 133)."""
+
+    def f(x):
+        c = torch.arange(12.0).view(3, 4)
+        a = c[:, 1:3]
+        b = c.t()
+        return (x + a).sum() + (x[:1, :1] + b).sum() * 0 + (x + a)[0, 0] * 100
+
+    x = torch.zeros(3, 2)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        got = torch.compile(f, backend=_recorded_plan({}))(x)
+    torch.testing.assert_close(got, f(x))
+
+
+def test_copies_between_strided_views_of_one_folded_constant_are_native_and_eagers():
+    """new_empty of a constant's shape filled by strided copies of two folded
+    slices of that constant (the second slice's fold replaced the first one's
+    buffer: a PlanError, its view outside it)."""
+
+    def g(x):
+        c = torch.arange(12.0).view(3, 4)
+        e = c.new_empty((3, 4))
+        e[:, ::2].copy_(c[:, 1::2])
+        e[:, 1::2].copy_(c[:, ::2])
+        return e + x
+
+    x = torch.randn(3, 4)
+    made = {}
+    torch._dynamo.reset()
+    with torch.no_grad():
+        got = torch.compile(g, backend=_recorded_plan(made))(x)
+    torch.testing.assert_close(got, g(x))
+    assert "aten.copy_.default" not in made["detail"]["fallback_ops"], made["detail"]
+
+
 class _WritesItsInput(torch.nn.Module):
     def forward(self, buf):
         buf.add_(1.0)
