@@ -168,16 +168,20 @@ static inline size_t kw__lin_amx_packed_w_bytes(const kw__lin *g) {
  * (25088 rows) 96 → 384 1.35-1.44 ms against 2.66-3.20 and 384 → 96
  * 1.08-1.13 against 2.66-2.80; Whisper-tiny's MLP at batch 8 (12000 rows, 384
  * → 1536) 6.4-6.6 against 9.3-10.0; f32 x (three parts) 384 → 96 5.4 against
- * 15.3. It lost where both K and N are 768 (0.95 against 0.90 ms at 768 rows:
- * a pair of groups' B tiles over the whole of K no longer fit L1 beside the A
- * tiles) and with a weight past L2 (768 → 3072 at 392 rows: 2.0 against 1.0
- * ms, every thread laying out all of it). */
-#define KW__LIN_BY_ROWS_MIN_M 256
+ * 15.3. Each thread lays out the whole weight (K·N), which the transposes it
+ * saves (about M / 2 · (K + N) a thread) must repay: 1536 → 384 took 0.20
+ * ms by rows against 0.16 transposed at 256 rows, 0.32-0.34 against
+ * 0.31-0.41 at 512, 0.79-0.87 against 0.94 at 1568; 192 → 768 0.047-0.049
+ * against 0.054 already at 256. So from M · (K + N) >= 2 · K · N. It lost
+ * where both K and N are 768 (0.95 against 0.90 ms at 768 rows: a pair of
+ * groups' B tiles over the whole of K no longer fit L1 beside the A tiles),
+ * and with a weight past L2 (768 → 3072 at 392 rows: 2.0 against 1.0 ms). */
+#define KW__LIN_BY_ROWS_MIN_M 128
 #define KW__LIN_BY_ROWS_MAX_KN 384      /* the smaller of K and N */
 #define KW__LIN_BY_ROWS_MAX_W (3 << 19) /* the weight's bytes, 1.5 MiB of a 2 MiB L2 */
 static inline int kw__lin_amx_by_rows(const kw__lin *g) {
-    return g->amx_parts && g->M >= KW__LIN_BY_ROWS_MIN_M && KW__MIN(g->K, g->n_total) <= KW__LIN_BY_ROWS_MAX_KN &&
-           kw__lin_amx_packed_w_bytes(g) <= KW__LIN_BY_ROWS_MAX_W;
+    return g->amx_parts && g->M >= KW__LIN_BY_ROWS_MIN_M && g->M * (g->K + g->n_total) >= 2 * g->K * g->n_total &&
+           KW__MIN(g->K, g->n_total) <= KW__LIN_BY_ROWS_MAX_KN && kw__lin_amx_packed_w_bytes(g) <= KW__LIN_BY_ROWS_MAX_W;
 }
 
 /* Its scratch: the packed weight, two blocks of x laid out (every part, when

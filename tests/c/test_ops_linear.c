@@ -178,18 +178,18 @@ Test(linear, amx_shapes_match_the_reference) {
  * a panel, so that x is laid out and multiplied panel after panel, the last one
  * short (an odd block, a block of fewer than 16 rows); weight groups stored in
  * pairs, and split where a pair straddles two outputs of linear_multi. Fewer
- * rows than the product by rows of x takes (kw__lin_amx_by_rows), so long rows
- * of x make the panels short. */
+ * rows than the product by rows of x takes (KW__LIN_BY_ROWS_MIN_M), so long
+ * rows of x make the panels short. */
 Test(linear, amx_panels_of_x_match_the_reference) {
     tt_rng r = {29};
     static const struct {
         kw_dtype xt;
         int64_t M, K, n_out, N[3];
     } cases[] = {
-        {KW_BF16, 150, 4000, 1, {80}},          /* panels of 64 rows */
-        {KW_BF16, 146, 4000, 3, {16, 64, 48}}, /* pairs (0, 16) and (64, 80) straddle outputs */
-        {KW_BF16, 136, 4000, 1, {48}},          /* a last panel of 8 rows: narrow tiles */
-        {KW_F32, 150, 960, 1, {48}},           /* three parts: panels of 64 rows; f32 y */
+        {KW_BF16, 90, 6000, 1, {80}},          /* panels of 32 rows, the last a block and 10 rows */
+        {KW_BF16, 100, 6000, 3, {16, 64, 48}}, /* pairs (0, 16) and (64, 80) straddle outputs */
+        {KW_BF16, 72, 6000, 1, {48}},          /* a last panel of 8 rows: narrow tiles */
+        {KW_F32, 100, 4000, 1, {48}},          /* three parts, panels of 32 rows; f32 y */
     };
     for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
         const kw_dtype xt = cases[i].xt;
