@@ -384,8 +384,13 @@ def _lower_linear(lw: _Lowering, node: Node):
     count where it measured faster (kw_ops.h), when the weight is [N, K] in x's
     dtype (matmul_dnnl refuses the rest; linear takes them)."""
     x, w, bias = node.args
-    views = [lw.view(val(node)), lw.view(val(x)), lw.weight_view(w, x), lw.arg_view(bias)]
-    if by_matmul(val(x).dtype, rows_per_call(val(x))):
+    _linear_step(lw, node, [lw.view(val(node)), lw.view(val(x)), lw.weight_view(w, x), lw.arg_view(bias)], val(x))
+
+
+def _linear_step(lw: _Lowering, node: Node, views, x: torch.Tensor):
+    """views (y, x, weight, bias) as oneDNN's matmul from its crossover for x's
+    rows, else (or where it refuses them) as kwker's linear."""
+    if by_matmul(x.dtype, rows_per_call(x)):
         try:
             return lw.op(node, "matmul_dnnl", views)
         except _Rejected:
@@ -983,15 +988,68 @@ def _lower_square(lw: _Lowering, node: Node):
 
 def _lower_convolution(lw: _Lowering, node: Node):
     """A depthwise 2-D convolution (one filter a channel: ConvNeXt's 7 × 7,
-    whose input is channels-last after its blocks' permutes) natively; the op
-    rejects other layouts (MobileNet's NCHW), and those and every other
-    convolution stay oneDNN's through ATen."""
+    whose input is channels-last after its blocks' permutes) natively, the op
+    rejecting other layouts (MobileNet's NCHW); a 2-D convolution whose kernel
+    is its stride, as a linear over its patches. Every other convolution stays
+    oneDNN's through ATen."""
     x, w, b, stride, padding, dilation, transposed, _, groups = node.args
     xv, wv = val(x), val(w)
-    if transposed or wv.dim() != 4 or wv.shape[1] != 1 or not groups == wv.shape[0] == xv.shape[1]:
+    if transposed or wv.dim() != 4:
         return False
-    lw.op(node, "depthwise_conv2d", [lw.view(val(node)), lw.view(xv), lw.view(wv), lw.arg_view(b)],
-          [*stride, *padding, *dilation])
+    # one value for both dims, as ATen reads a list of one (F.conv2d(x, w, stride=[2]))
+    stride, padding, dilation = (list(v) * 2 if len(v) == 1 else list(v) for v in (stride, padding, dilation))
+    if wv.shape[1] == 1 and groups == wv.shape[0] == xv.shape[1]:
+        return lw.op(node, "depthwise_conv2d", [lw.view(val(node)), lw.view(xv), lw.view(wv), lw.arg_view(b)],
+                     [*stride, *padding, *dilation])
+    if groups == 1 and tuple(wv.shape[2:]) == tuple(stride) and not any(padding) and tuple(dilation) == (1, 1):
+        return _lower_patch_convolution(lw, node, xv, wv, b)
+    return False
+
+
+def _lower_patch_convolution(lw: _Lowering, node: Node, x: torch.Tensor, w: torch.Tensor, b):
+    """A convolution whose kernel is its stride, without padding (a ViT's or
+    ConvNeXt's patch embedding, ConvNeXt's downsampling, a 1 × 1): each output
+    pixel is a linear of one patch of x, so the whole is a linear whose rows
+    are the patches, K = C · kh · kw in the order the weight's memory has
+    (so that the weight is read in place as [O, K]), copied out of x by a
+    native step unless they already are (a 1 × 1 over channels-last
+    memory); its rows of O are the output's pixels, written in place where the
+    output is channels-last, else through a copy. Rows and columns past the
+    last whole patch are not read, as the convolution does not read them."""
+    n, c, h, wd = x.shape
+    o, _, kh, kw = w.shape
+    y = val(node)
+    ho, wo = h // kh, wd // kw
+    if tuple(y.shape) != (n, o, ho, wo) or x.dtype != w.dtype:
+        return False
+    patches = x[:, :, :ho * kh, :wo * kw].unflatten(3, (wo, kw)).unflatten(2, (ho, kh))  # n c ho kh wo kw
+    if w.is_contiguous():  # [O, C, kh, kw]
+        weight, patches = w.view(o, c * kh * kw), patches.permute(0, 2, 4, 1, 3, 5)
+    elif w.permute(0, 2, 3, 1).is_contiguous():  # channels-last: [O, kh, kw, C]
+        weight, patches = w.permute(0, 2, 3, 1).view(o, kh * kw * c), patches.permute(0, 2, 4, 3, 5, 1)
+    else:
+        return False
+    k = c * kh * kw
+    if _rows_in_place(patches, (n, ho, wo, k)):
+        rows = lw.view(patches.view(n, ho, wo, k))
+    else:  # copied into rows of their own
+        buf = lw.b.arena(patches.numel() * patches.element_size(), f"{node.name}.patches")
+        lw.op(node, "convert", [lw.b.view(buf, x.dtype, tuple(patches.shape), None, 0), lw.view(patches)])
+        rows = lw.b.view(buf, x.dtype, (n, ho, wo, k), None, 0)
+    pixels = y.permute(0, 2, 3, 1)  # n ho wo o
+    out = lw.view(pixels) if pixels.is_contiguous() else lw.b.view(
+        lw.b.arena(y.numel() * y.element_size(), f"{node.name}.pixels"), y.dtype, tuple(pixels.shape), None, 0)
+    _linear_step(lw, node, [out, rows, lw.view(weight), lw.arg_view(b)], pixels)
+    if not pixels.is_contiguous():
+        lw.op(node, "convert", [lw.view(pixels), out])
+
+
+def _rows_in_place(t: torch.Tensor, shape) -> bool:
+    """t's elements are already contiguous rows of shape (a view, not a copy)."""
+    try:
+        return t.view(shape).is_contiguous()
+    except (RuntimeError, ValueError):  # not expressible as a view (fake tensors raise the latter)
+        return False
 
 
 def _lower_kv_write(lw: _Lowering, node: Node):

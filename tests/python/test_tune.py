@@ -637,9 +637,10 @@ def test_t5s_per_head_position_bias_and_relu_mlp_are_native_steps(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_convnexts_depthwise_convolutions_are_native_steps_and_see_a_weight_edit(dtype):
     """ConvNeXt's 7 x 7 depthwise convolutions run over channels-last memory
-    (its residual stream after the blocks' permutes) as kwker's own steps; its
-    stem and downsampling convolutions stay oneDNN's through ATen. The outputs
-    are eager's, also after a depthwise weight is edited in place."""
+    (its residual stream after the blocks' permutes) as kwker's own steps, and
+    its stem and downsampling convolutions (kernel = stride) as linears over
+    their patches. The outputs are eager's, also after a depthwise and a
+    downsampling weight are edited in place."""
     import transformers
 
     torch.manual_seed(0)
@@ -653,9 +654,10 @@ def test_convnexts_depthwise_convolutions_are_native_steps_and_see_a_weight_edit
         torch.testing.assert_close(compiled(pixel_values=pixels).last_hidden_state,
                                    model(pixel_values=pixels).last_hidden_state, **tol)
         model.encoder.stages[1].layers[0].dwconv.weight.mul_(-3.0)
+        model.encoder.stages[1].downsampling_layer[1].weight.mul_(-2.0)
         torch.testing.assert_close(compiled(pixel_values=pixels).last_hidden_state,
                                    model(pixel_values=pixels).last_hidden_state, **tol)
-    assert made["detail"]["fallback_ops"].count("aten.convolution.default") == 2, made["detail"]  # stem, downsampling
+    assert "aten.convolution.default" not in made["detail"]["fallback_ops"], made["detail"]
     assert made["plan"].dump().count("depthwise_conv2d") == 3
 
 
@@ -685,6 +687,48 @@ def test_a_circular_pads_copies_within_one_tensor_are_native_steps():
     torch._dynamo.reset()
     with torch.no_grad():
         torch.testing.assert_close(torch.compile(shift, backend="kwker")(t), shift(t))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kernel", [1, 3])
+def test_a_convolution_whose_kernel_is_its_stride_is_a_linear_over_its_patches(dtype, kernel):
+    """A convolution with kernel = stride and no padding (a patch embedding, a
+    downsampling, a 1 x 1) is a linear whose rows are the patches: over NCHW and
+    channels-last x, contiguous and channels-last weights, with and without a
+    bias, rows and columns past the last whole patch left out; the output is
+    eager's, values and strides. With padding it stays ATen's."""
+    torch.manual_seed(0)
+    layouts = (torch.contiguous_format, torch.channels_last)
+    for x_layout, w_layout, bias in ((a, b, a == b) for a in layouts for b in layouts):
+        conv = torch.nn.Conv2d(5, 32, kernel, stride=kernel, bias=bias).eval().to(dtype)
+        conv = conv.to(memory_format=w_layout)
+        x = torch.randn(2, 5, 3 * kernel + 2, 4 * kernel, dtype=dtype).contiguous(memory_format=x_layout)
+        made = {}
+        torch._dynamo.reset()
+        with torch.no_grad():
+            got = torch.compile(conv, backend=plan_recording(made))(x)
+            want = conv(x)
+        torch.testing.assert_close(got, want, **PLAN_TOLERANCE[dtype])
+        assert got.stride() == want.stride(), (x_layout, w_layout)
+        assert made["detail"]["fallback_ops"] == [], (x_layout, w_layout, made["detail"])
+        assert "linear" in made["plan"].dump() or "matmul_dnnl" in made["plan"].dump()
+    padded = torch.nn.Conv2d(5, 32, kernel, stride=kernel, padding=1).eval().to(dtype)
+    made = {}
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.testing.assert_close(torch.compile(padded, backend=plan_recording(made))(x), padded(x),
+                                   **PLAN_TOLERANCE[dtype])
+    assert made["detail"]["fallback_ops"] == ["aten.convolution.default"], made["detail"]
+    # stride and padding as lists of one value, which ATen reads for both dims
+    def by_lists(t):
+        return torch.nn.functional.conv2d(t, padded.weight, stride=[kernel], padding=[0])
+
+    made = {}
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.testing.assert_close(torch.compile(by_lists, backend=plan_recording(made))(x), by_lists(x),
+                                   **PLAN_TOLERANCE[dtype])
+    assert made["detail"]["fallback_ops"] == [], made["detail"]
 
 
 def test_a_depthwise_convolution_over_memory_not_channels_last_stays_atens():
