@@ -21,7 +21,9 @@
  * exact in f32, so the result is the f32 linear's up to summation order, as
  * with the AVX-512 kernel's widened weights. An infinite x is its first part
  * (the rest zero); a finite x above bf16's largest value (3.39e38) rounds to an
- * infinite part, and its row's outputs are NaN.
+ * infinite part, and its row's outputs are NaN. So is an infinite weight's
+ * output where the f32 linear gives ±inf: a part of x that is zero (every
+ * part past the first of a bf16-valued x) times it is NaN in the tile product.
  *
  * Each group of 16 weight rows (kw__lin_claim hands out whole groups, and every
  * output of linear_multi must be whole groups) is multiplied block of x after

@@ -1030,16 +1030,22 @@ def _lower_patch_convolution(lw: _Lowering, node: Node, x: torch.Tensor, w: torc
     else:
         return False
     k = c * kh * kw
-    if _rows_in_place(patches, (n, ho, wo, k)):
+    in_place = _rows_in_place(patches, (n, ho, wo, k))
+    if in_place:
         rows = lw.view(patches.view(n, ho, wo, k))
     else:  # copied into rows of their own
         buf = lw.b.arena(patches.numel() * patches.element_size(), f"{node.name}.patches")
-        lw.op(node, "convert", [lw.b.view(buf, x.dtype, tuple(patches.shape), None, 0), lw.view(patches)])
         rows = lw.b.view(buf, x.dtype, (n, ho, wo, k), None, 0)
     pixels = y.permute(0, 2, 3, 1)  # n ho wo o
     out = lw.view(pixels) if pixels.is_contiguous() else lw.b.view(
         lw.b.arena(y.numel() * y.element_size(), f"{node.name}.pixels"), y.dtype, tuple(pixels.shape), None, 0)
-    _linear_step(lw, node, [out, rows, lw.view(weight), lw.arg_view(b)], pixels)
+    views = [out, rows, lw.view(weight), lw.arg_view(b)]
+    why = lw.b.check_op("linear", views, [], [])  # before any step: a rejected node adds none (a fallback)
+    if why is not None:
+        raise _Rejected(why)
+    if not in_place:
+        lw.op(node, "convert", [lw.b.view(buf, x.dtype, tuple(patches.shape), None, 0), lw.view(patches)])
+    _linear_step(lw, node, views, pixels)
     if not pixels.is_contiguous():
         lw.op(node, "convert", [lw.view(pixels), out])
 

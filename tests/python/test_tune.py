@@ -731,6 +731,19 @@ def test_a_convolution_whose_kernel_is_its_stride_is_a_linear_over_its_patches(d
     assert made["detail"]["fallback_ops"] == [], made["detail"]
 
 
+def test_a_patch_convolution_the_linear_rejects_is_one_fallback_step_and_no_copy():
+    """float16, which kwker's linear does not take: the convolution is ATen's,
+    one fallback step, with no copy of its patches made for nothing before it."""
+    conv = torch.nn.Conv2d(5, 32, 2, stride=2).eval().half()
+    x = torch.randn(2, 5, 6, 8).half()
+    made = {}
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.testing.assert_close(torch.compile(conv, backend=plan_recording(made))(x), conv(x))
+    steps = [line.split()[1] for line in made["plan"].dump().splitlines() if line[:6].strip().isdigit()]
+    assert steps == ["fallback"], steps
+
+
 def test_a_depthwise_convolution_over_memory_not_channels_last_stays_atens():
     """A depthwise convolution over contiguous (NCHW) memory is rejected by the
     native op and runs as ATen's, with the same result; strided, dilated and
