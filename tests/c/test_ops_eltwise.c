@@ -277,6 +277,33 @@ Test(convert, every_variant_matches_the_reference) {
     }
 }
 
+/* A convolution's patches copied into rows (kwker's patch linears): x [N, C,
+ * H, W] viewed as [N, H / k, W / k, C, k, k], runs of k values, moved a run at a
+ * time where they are at most 64 bytes and by memcpy where longer; exact in
+ * every dtype width. */
+Test(convert, a_convolutions_patches_are_copied_exactly) {
+    tt_rng r = {32};
+    static const struct {
+        kw_dtype dt;
+        int64_t k;
+    } cases[] = {{KW_U8, 3}, {KW_BF16, 3}, {KW_F32, 4}, {KW_I64, 2}, {KW_F32, 16}, {KW_F32, 20}};
+    for (size_t c = 0; c < sizeof cases / sizeof *cases; c++) {
+        const kw_dtype dt = cases[c].dt;
+        const int64_t k = cases[c].k, N = 2, C = 3, H = 2 * k + 1, W = 3 * k, ho = H / k, wo = W / k;
+        tt_case t = {0};
+        kw_tensor *x = tt_tensor(&t, 1, dt, 6, TT_DIMS(N, ho, wo, C, k, k),
+                                 TT_DIMS(C * H * W, k * W, k, H * W, W, 1), 0, 100, &r);
+        kw_tensor *y = tt_tensor(&t, 0, dt, 6, TT_DIMS(N, ho, wo, C, k, k), NULL, 0, 0, &r);
+        tt_check_variants(KW_OP_CONVERT, &t, exact, "patches");
+        for (int64_t i = 0; i < N * ho * wo * C * k * k; i++) {
+            int64_t at[6], rest = i;
+            for (int d = 5; d >= 0; d--) at[d] = rest % y->shape[d], rest /= y->shape[d];
+            cr_assert_eq(tt_get(y, at), tt_get(x, at), "case %zu element %lld", c, (long long)i);
+        }
+        tt_free(&t);
+    }
+}
+
 /* A transpose made contiguous (T5's position bias: [B, L, S, H] memory viewed as
  * [B, H, L, S]) takes the tiled path: exact, at sizes that are not multiples of
  * a vector, a dim of 1 and a broadcast batch among them. */
