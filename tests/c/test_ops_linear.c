@@ -124,13 +124,39 @@ Test(linear, long_rows_and_many_outputs) {
         }
 }
 
-/* Whether the call, prepared for this CPU, runs linear's AMX kernel. */
-static int runs_on_amx(kw_op_id op, const kw_call *c) {
+/* The call as prepared for this CPU (linear or linear_multi). */
+static kw__lin prepared(kw_op_id op, const kw_call *c) {
     kw__lin prep;
     kw_call call = *c;
     char msg[256];
     cr_assert_eq(kw_op_prepare(op, &call, kw_cpu_isa(), &prep, msg, sizeof msg), 0, "%s", msg);
-    return prep.rows == kw__linear_rows_amx;
+    return prep;
+}
+
+/* Whether the call, prepared for this CPU, runs linear's AMX kernel. */
+static int runs_on_amx(kw_op_id op, const kw_call *c) { return prepared(op, c).rows == kw__linear_rows_amx; }
+
+/* A random call of the AMX kernel's kind into k: linear, or linear_multi with
+ * outputs of 16 rows and the rest; y's and the weight's rows maybe padded, x's
+ * by a random multiple of x_pad; a K-blocked weight (blocks of K / 2 where
+ * that is even, else K) or [N, K]; a bias of either dtype when `bias`.
+ * Returns the op; `what` names the case. */
+static kw_op_id amx_case(tt_case *k, kw_dtype xt, int64_t M, int64_t K, int64_t N, int blocked, int multi, int bias,
+                         int64_t x_pad, tt_rng *r, char *what, size_t len) {
+    const int xslot = multi ? 4 : 1;
+    if (multi) {
+        tt_padded(k, 0, xt, 2, TT_DIMS(M, 16), tt_int(r, 0, 2), 0, 0, r);
+        if (N > 16) tt_padded(k, 1, xt, 2, TT_DIMS(M, N - 16), tt_int(r, 0, 2), 0, 0, r);
+    } else {
+        tt_padded(k, 0, xt, 3, TT_DIMS(1, M, N), tt_int(r, 0, 1) * 3, 0, 0, r);
+    }
+    tt_padded(k, xslot, xt, 2, TT_DIMS(M, K), tt_int(r, 0, 1) * tt_int(r, 1, 9) * x_pad, -1, 1, r);
+    if (blocked) make_blocked_w(k, xslot + 1, KW_BF16, K, N, K / 2 % 2 ? K : K / 2, r);
+    else tt_padded(k, xslot + 1, KW_BF16, 2, TT_DIMS(N, K), tt_int(r, 0, 1) * 5, -1, 1, r);
+    if (bias) tt_tensor(k, xslot + 2, tt_int(r, 0, 1) ? KW_F32 : KW_BF16, 1, TT_DIMS(N), NULL, -1, 1, r);
+    snprintf(what, len, "%s x %s M=%lld K=%lld N=%lld%s", multi ? "linear_multi" : "linear", kw_dtype_name(xt),
+             (long long)M, (long long)K, (long long)N, blocked ? " k-blocked" : "");
+    return multi ? KW_OP_LINEAR_MULTI : KW_OP_LINEAR;
 }
 
 /* Shapes the AMX kernel takes (bf16 weights in groups of 16 rows, K in pairs),
@@ -152,21 +178,8 @@ Test(linear, amx_shapes_match_the_reference) {
         const int64_t M = Ms_amx[trial / 2 % nm], K = PICK(Ks_amx, &r), N = PICK(Ns_amx, &r);
         const int blocked = trial % 5 == 4 && K % 2 == 0 && K >= 32, multi = trial % 3 == 1;
         tt_case k = {0};
-        const kw_op_id op = multi ? KW_OP_LINEAR_MULTI : KW_OP_LINEAR;
-        const int xslot = multi ? 4 : 1;
-        if (multi) { /* outputs of 16, then the rest */
-            tt_padded(&k, 0, xt, 2, TT_DIMS(M, 16), tt_int(&r, 0, 2), 0, 0, &r);
-            if (N > 16) tt_padded(&k, 1, xt, 2, TT_DIMS(M, N - 16), tt_int(&r, 0, 2), 0, 0, &r);
-        } else {
-            tt_padded(&k, 0, xt, 3, TT_DIMS(1, M, N), tt_int(&r, 0, 1) * 3, 0, 0, &r);
-        }
-        tt_padded(&k, xslot, xt, 2, TT_DIMS(M, K), tt_int(&r, 0, 1) * tt_int(&r, 1, 9), -1, 1, &r);
-        if (blocked) make_blocked_w(&k, xslot + 1, KW_BF16, K, N, K / 2 % 2 ? K : K / 2, &r);
-        else tt_padded(&k, xslot + 1, KW_BF16, 2, TT_DIMS(N, K), tt_int(&r, 0, 1) * 5, -1, 1, &r);
-        if (trial % 4 == 0) tt_tensor(&k, xslot + 2, tt_int(&r, 0, 1) ? KW_F32 : KW_BF16, 1, TT_DIMS(N), NULL, -1, 1, &r);
         char what[96];
-        snprintf(what, sizeof what, "%s x %s M=%lld K=%lld N=%lld%s", multi ? "linear_multi" : "linear",
-                 kw_dtype_name(xt), (long long)M, (long long)K, (long long)N, blocked ? " k-blocked" : "");
+        const kw_op_id op = amx_case(&k, xt, M, K, N, blocked, multi, trial % 4 == 0, 1, &r, what, sizeof what);
         const int want = amx && M >= (xt == KW_BF16 ? KW_AMX_MIN_M_BF16 : KW_AMX_MIN_M_F32);
         cr_assert_eq(runs_on_amx(op, &k.c), want, "%s: the AMX kernel %s", what, want ? "did not run" : "ran");
         tt_check_variants(op, &k, lin_tol(xt, K), what);
@@ -208,10 +221,7 @@ Test(linear, amx_panels_of_x_match_the_reference) {
         char what[64];
         snprintf(what, sizeof what, "%s x M=%lld K=%lld", kw_dtype_name(xt), (long long)M, (long long)K);
         if (kw_cpu_isa() >= KW_ISA_AMX) {
-            kw__lin prep;
-            kw_call call = k.c;
-            char msg[256];
-            cr_assert_eq(kw_op_prepare(op, &call, kw_cpu_isa(), &prep, msg, sizeof msg), 0, "%s", msg);
+            const kw__lin prep = prepared(op, &k.c);
             cr_assert(prep.rows == kw__linear_rows_amx && !kw__lin_amx_by_rows(&prep) &&
                           M > 2 * kw__lin_panel_rows(&prep),
                       "%s: not three panels on the AMX kernel", what);
@@ -239,26 +249,10 @@ Test(linear, amx_by_rows_of_x_match_the_reference) {
         const int64_t M = PICK(Ms_rows, &r), K = PICK(Ks_rows, &r), N = PICK(Ns_rows, &r);
         const int blocked = trial % 5 == 4 && K >= 64, multi = trial % 3 == 1;
         tt_case k = {0};
-        const kw_op_id op = multi ? KW_OP_LINEAR_MULTI : KW_OP_LINEAR;
-        const int xslot = multi ? 4 : 1;
-        if (multi) { /* outputs of 16, then the rest */
-            tt_padded(&k, 0, xt, 2, TT_DIMS(M, 16), tt_int(&r, 0, 2), 0, 0, &r);
-            if (N > 16) tt_padded(&k, 1, xt, 2, TT_DIMS(M, N - 16), tt_int(&r, 0, 2), 0, 0, &r);
-        } else {
-            tt_padded(&k, 0, xt, 3, TT_DIMS(1, M, N), tt_int(&r, 0, 1) * 3, 0, 0, &r);
-        }
-        tt_padded(&k, xslot, xt, 2, TT_DIMS(M, K), tt_int(&r, 0, 1) * tt_int(&r, 1, 9) * 2, -1, 1, &r);
-        if (blocked) make_blocked_w(&k, xslot + 1, KW_BF16, K, N, K / 2 % 2 ? K : K / 2, &r);
-        else tt_padded(&k, xslot + 1, KW_BF16, 2, TT_DIMS(N, K), tt_int(&r, 0, 1) * 5, -1, 1, &r);
-        if (trial % 4 < 2) tt_tensor(&k, xslot + 2, tt_int(&r, 0, 1) ? KW_F32 : KW_BF16, 1, TT_DIMS(N), NULL, -1, 1, &r);
         char what[96];
-        snprintf(what, sizeof what, "%s x %s M=%lld K=%lld N=%lld%s", multi ? "linear_multi" : "linear",
-                 kw_dtype_name(xt), (long long)M, (long long)K, (long long)N, blocked ? " k-blocked" : "");
+        const kw_op_id op = amx_case(&k, xt, M, K, N, blocked, multi, trial % 4 < 2, 2, &r, what, sizeof what);
         if (amx) {
-            kw__lin prep;
-            kw_call call = k.c;
-            char msg[256];
-            cr_assert_eq(kw_op_prepare(op, &call, kw_cpu_isa(), &prep, msg, sizeof msg), 0, "%s", msg);
+            const kw__lin prep = prepared(op, &k.c);
             cr_assert(prep.rows == kw__linear_rows_amx && kw__lin_amx_by_rows(&prep),
                       "%s: not the product by rows of x", what);
         }
