@@ -127,6 +127,11 @@ int64_t kw_linear_block(int64_t K);
 /* A crossover no call reaches: linear at every M. */
 #define KW_DNNL_NEVER INT32_MAX
 
+/* Whether oneDNN makes a bf16 matmul on this CPU: Debian's 2.6 does from
+ * AVX-512 on, and refuses one on an AVX2 CPU (a 2-vCPU Zen 3 EPYC), where
+ * matmul_dnnl's prepare then fails and bf16 linears are linear's at every M. */
+int kw_dnnl_has_bf16_matmul(void);
+
 /* From this many rows of x on, matmul_dnnl (oneDNN) beat linear on the machine
  * kwker is developed on (2 Zen 4 cores; bench/ops.py, "dnnl_crossover" in
  * bench/README.md); below it use linear. f32 × bf16 has no oneDNN path: linear

@@ -75,6 +75,22 @@ static int make_primitive(kw__dnnl *p, const kw__lin *g) {
     return 0;
 }
 
+int kw_dnnl_has_bf16_matmul(void) {
+    dnnl_engine_t engine;
+    if (dnnl_engine_create(&engine, dnnl_cpu, 0)) return 0;
+    dnnl_memory_desc_t src, wei, dst;
+    dnnl_matmul_desc_t md;
+    dnnl_primitive_desc_t pd = NULL;
+    const int made = !dnnl_memory_desc_init_by_tag(&src, 2, (dnnl_dims_t){16, 64}, dnnl_bf16, dnnl_ab) &&
+                     !dnnl_memory_desc_init_by_tag(&wei, 2, (dnnl_dims_t){64, 64}, dnnl_bf16, dnnl_ba) &&
+                     !dnnl_memory_desc_init_by_tag(&dst, 2, (dnnl_dims_t){16, 64}, dnnl_bf16, dnnl_ab) &&
+                     !dnnl_matmul_desc_init(&md, &src, &wei, NULL, &dst) &&
+                     !dnnl_primitive_desc_create(&pd, &md, NULL, engine, NULL);
+    if (pd) dnnl_primitive_desc_destroy(pd);
+    dnnl_engine_destroy(engine);
+    return made;
+}
+
 /* A weight [N, K] whose strides are (1, wk), wk >= N: the transpose of a [K, N] matrix. */
 static int64_t kn_stride(const kw_tensor *w) {
     return w->ndim == 2 && w->shape[0] > 1 && w->shape[1] > 1 && w->stride[0] == 1 && w->stride[1] >= w->shape[0]

@@ -65,7 +65,8 @@ def copy_dtype(weights: list[torch.Tensor]) -> torch.dtype:
 # From these rows per call (kw_ops.h's KW_DNNL_MIN_M_*), by the input's dtype,
 # oneDNN's matmul measured faster than kwker's linear; for float32 weights
 # kwker would read as a bfloat16 copy, from DNNL_MIN_ROWS_OVER_BF16_COPY.
-# DNNL_NEVER where it never did (bf16 products on an AMX CPU).
+# DNNL_NEVER where it never did (bf16 products on an AMX CPU) or cannot (bf16
+# below AVX-512, where oneDNN makes no bf16 matmul).
 _P = _C.op_params()
 DNNL_NEVER = _P["DNNL_NEVER"]
 DNNL_MIN_ROWS = {torch.float32: _P["DNNL_MIN_M_F32"], torch.bfloat16: _P["DNNL_MIN_M_BF16"]}
