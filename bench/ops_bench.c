@@ -22,7 +22,7 @@
  *                positions, no mask), f32 and bf16 (--attention too).
  * dnnl_crossover linear vs matmul_dnnl over one layer's gate/up/down for M rows:
  *                f32, f32 x with linear on a bf16 copy (dnnl on f32), and bf16
- *                (--linear: only these).
+ *                (null where oneDNN makes no bf16 matmul) (--linear: only these).
  * ops_us         other decode-sized ops, each with its barrier.
  * Every time is the median over repeats. Progress goes to stderr. */
 #define _GNU_SOURCE
@@ -621,7 +621,8 @@ int main(int argc, char **argv) {
     fprintf(out, ", ");
     crossover(pool, KW_F32, KW_BF16, "f32 x, bf16 copy", &w, out);
     fprintf(out, ", ");
-    crossover(pool, KW_BF16, KW_BF16, "bf16", &w, out);
+    if (kw_dnnl_has_bf16_matmul()) crossover(pool, KW_BF16, KW_BF16, "bf16", &w, out);
+    else fprintf(out, "\"bf16\": null"); /* no bf16 matmul in oneDNN on this CPU (below AVX-512) */
     fprintf(out, "}}\n");
 
     kw_mem_free(w.mem, w.bytes);

@@ -138,6 +138,12 @@ int kw_dnnl_has_bf16_matmul(void);
  * at every M. */
 enum {
     KW_DNNL_MIN_M_F32 = 4, /* f32 x, f32 weights */
+    /* The same below AVX-512, where linear's tiles are 4 rows and oneDNN's f32
+     * matmul is its AVX2 one: over one Llama-3.2-1B layer's gate/up/down (2-vCPU
+     * Zen 3 EPYC, bench/ops.py's dnnl_crossover) linear took 7.6 ms against
+     * 16.0 at M = 4, 12.2 against 14.1 at 8, 22.1 against 22.0 at 16, 42.2
+     * against 26.7 at 32. */
+    KW_DNNL_MIN_M_F32_AVX2 = 16,
     /* bf16 x, bf16 weights. Whole steps put the crossover higher than one
      * layer's MLP timed alone (8 rows, dnnl_crossover): replayed steps of q
      * positions (Zen 4, 2 threads), q = 8: SmolLM2-360M 29 ms with linear

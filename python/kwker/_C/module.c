@@ -28,7 +28,8 @@ static PyObject *op_names(PyObject *self, PyObject *unused) {
 /* The values of the ops' integer parameters (kw_ops.h), by name, so that Python
  * never repeats a C constant; oneDNN's crossovers as they are for this CPU. */
 static PyObject *op_params(PyObject *self, PyObject *unused) {
-    const int amx = kw_cpu_isa() >= KW_ISA_AMX, dnnl_bf16 = kw_dnnl_has_bf16_matmul();
+    const int amx = kw_cpu_isa() >= KW_ISA_AMX, avx2 = kw_cpu_isa() < KW_ISA_AVX512,
+              dnnl_bf16 = kw_dnnl_has_bf16_matmul();
     const struct {
         const char *name;
         int value;
@@ -45,7 +46,7 @@ static PyObject *op_params(PyObject *self, PyObject *unused) {
         {"WHERE_X_IF_TRUE", KW_WHERE_X_IF_TRUE},
         {"WHERE_X_IF_FALSE", KW_WHERE_X_IF_FALSE},
         {"DNNL_NEVER", KW_DNNL_NEVER},
-        {"DNNL_MIN_M_F32", KW_DNNL_MIN_M_F32},
+        {"DNNL_MIN_M_F32", avx2 ? KW_DNNL_MIN_M_F32_AVX2 : KW_DNNL_MIN_M_F32},
         {"BMM_MAX_M", KW_BMM_MAX_M},
         {"DNNL_MIN_M_BF16", !dnnl_bf16 ? KW_DNNL_NEVER : amx ? KW_DNNL_MIN_M_BF16_AMX : KW_DNNL_MIN_M_BF16},
         {"DNNL_MIN_M_F32_BF16_COPY", amx ? KW_DNNL_MIN_M_F32_BF16_COPY_AMX : KW_DNNL_MIN_M_F32_BF16_COPY},
