@@ -46,47 +46,55 @@ static void matmul_dnnl_release(void *prep) {
     p->prim = NULL, p->src = p->wei = p->bias_mem = p->dst = NULL, p->stream = NULL, p->engine = NULL;
 }
 
-/* The primitive for g's shape, dtypes and strides. */
+/* A matmul of an M × K x (rows xs apart) by a K × N weight (strides wk, wn)
+ * into an M × N y (rows ys apart), plus a [1, N] bias where `bias`, all of
+ * dtype dt: its memory descriptors, and in *pd the primitive descriptor oneDNN
+ * chose (nonzero where it has none: no such matmul on this CPU). */
+typedef struct kw__dnnl_descs {
+    dnnl_memory_desc_t src, wei, bias, dst;
+} kw__dnnl_descs;
+
+static int describe(dnnl_engine_t engine, dnnl_data_type_t dt, int64_t M, int64_t N, int64_t K, int64_t xs,
+                    int64_t wk, int64_t wn, int64_t ys, int bias, kw__dnnl_descs *d, dnnl_primitive_desc_t *pd) {
+    dnnl_matmul_desc_t md;
+    return dnnl_memory_desc_init_by_strides(&d->src, 2, (dnnl_dims_t){M, K}, dt, (dnnl_dims_t){xs, 1}) ||
+           dnnl_memory_desc_init_by_strides(&d->wei, 2, (dnnl_dims_t){K, N}, dt, (dnnl_dims_t){wk, wn}) ||
+           dnnl_memory_desc_init_by_strides(&d->bias, 2, (dnnl_dims_t){1, N}, dt, (dnnl_dims_t){N, 1}) ||
+           dnnl_memory_desc_init_by_strides(&d->dst, 2, (dnnl_dims_t){M, N}, dt, (dnnl_dims_t){ys, 1}) ||
+           dnnl_matmul_desc_init(&md, &d->src, &d->wei, bias ? &d->bias : NULL, &d->dst) ||
+           dnnl_primitive_desc_create(pd, &md, NULL, engine, NULL);
+}
+
+/* The primitive for g's shape, dtypes and strides, and its memory objects. */
 static int make_primitive(kw__dnnl *p, const kw__lin *g) {
     /* The weight as a K × N matrix: PyTorch's [N, K] rows have strides (1, ws); a
      * [K, N] matrix read as stored, (wk, 1). */
     const int64_t wk_stride = p->wk ? p->wk : 1, wn_stride = p->wk ? 1 : g->ws;
-    const dnnl_data_type_t dt = g->xt == KW_BF16 ? dnnl_bf16 : dnnl_f32;
-    const int64_t M = g->M, N = g->n_total, K = g->K;
-    dnnl_memory_desc_t src, wei, bias, dst;
-    dnnl_matmul_desc_t md;
+    kw__dnnl_descs d;
     dnnl_primitive_desc_t pd;
     if (dnnl_engine_create(&p->engine, dnnl_cpu, 0) ||
         dnnl_stream_create(&p->stream, p->engine, dnnl_stream_default_flags) ||
-        dnnl_memory_desc_init_by_strides(&src, 2, (dnnl_dims_t){M, K}, dt, (dnnl_dims_t){g->xs, 1}) ||
-        dnnl_memory_desc_init_by_strides(&wei, 2, (dnnl_dims_t){K, N}, dt, (dnnl_dims_t){wk_stride, wn_stride}) ||
-        dnnl_memory_desc_init_by_strides(&bias, 2, (dnnl_dims_t){1, N}, dt, (dnnl_dims_t){N, 1}) ||
-        dnnl_memory_desc_init_by_strides(&dst, 2, (dnnl_dims_t){M, N}, dt, (dnnl_dims_t){g->out[0].ys, 1}) ||
-        dnnl_matmul_desc_init(&md, &src, &wei, p->bias ? &bias : NULL, &dst) ||
-        dnnl_primitive_desc_create(&pd, &md, NULL, p->engine, NULL))
+        describe(p->engine, g->xt == KW_BF16 ? dnnl_bf16 : dnnl_f32, g->M, g->n_total, g->K, g->xs, wk_stride,
+                 wn_stride, g->out[0].ys, p->bias, &d, &pd))
         return -1;
     const dnnl_status_t st = dnnl_primitive_create(&p->prim, pd);
     dnnl_primitive_desc_destroy(pd);
-    if (st || dnnl_memory_create(&p->src, &src, p->engine, DNNL_MEMORY_NONE) ||
-        dnnl_memory_create(&p->wei, &wei, p->engine, DNNL_MEMORY_NONE) ||
-        (p->bias && dnnl_memory_create(&p->bias_mem, &bias, p->engine, DNNL_MEMORY_NONE)) ||
-        dnnl_memory_create(&p->dst, &dst, p->engine, DNNL_MEMORY_NONE))
+    if (st || dnnl_memory_create(&p->src, &d.src, p->engine, DNNL_MEMORY_NONE) ||
+        dnnl_memory_create(&p->wei, &d.wei, p->engine, DNNL_MEMORY_NONE) ||
+        (p->bias && dnnl_memory_create(&p->bias_mem, &d.bias, p->engine, DNNL_MEMORY_NONE)) ||
+        dnnl_memory_create(&p->dst, &d.dst, p->engine, DNNL_MEMORY_NONE))
         return -1;
     return 0;
 }
 
+/* Asks for a small one's descriptor: 16 × 64 by 64 rows of 64. */
 int kw_dnnl_has_bf16_matmul(void) {
     dnnl_engine_t engine;
     if (dnnl_engine_create(&engine, dnnl_cpu, 0)) return 0;
-    dnnl_memory_desc_t src, wei, dst;
-    dnnl_matmul_desc_t md;
+    kw__dnnl_descs d;
     dnnl_primitive_desc_t pd = NULL;
-    const int made = !dnnl_memory_desc_init_by_tag(&src, 2, (dnnl_dims_t){16, 64}, dnnl_bf16, dnnl_ab) &&
-                     !dnnl_memory_desc_init_by_tag(&wei, 2, (dnnl_dims_t){64, 64}, dnnl_bf16, dnnl_ba) &&
-                     !dnnl_memory_desc_init_by_tag(&dst, 2, (dnnl_dims_t){16, 64}, dnnl_bf16, dnnl_ab) &&
-                     !dnnl_matmul_desc_init(&md, &src, &wei, NULL, &dst) &&
-                     !dnnl_primitive_desc_create(&pd, &md, NULL, engine, NULL);
-    if (pd) dnnl_primitive_desc_destroy(pd);
+    const int made = !describe(engine, dnnl_bf16, 16, 64, 64, 64, 1, 64, 64, 0, &d, &pd);
+    if (made) dnnl_primitive_desc_destroy(pd);
     dnnl_engine_destroy(engine);
     return made;
 }
