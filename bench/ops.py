@@ -79,13 +79,14 @@ def markdown(r: dict) -> str:
     lines += ["", "| decode op (bf16, with its barrier) | µs |", "|---|---|"]
     lines += [f"| {name} | {us:.2f} |" for name, us in r["ops_us"].items()]
     for dt, c in r["dnnl_crossover"].items():
-        if c is None:
-            lines += ["", f"{dt}: oneDNN makes no {dt} matmul on this CPU; linear at every M"]
-            continue
         lines += ["", f"| {dt} gate+up+down, M | linear µs | matmul_dnnl µs |", "|---|---|---|"]
-        lines += [f"| {m} | {l:.0f} | {d:.0f} |" for m, l, d in zip(c["M"], c["linear_us"], c["dnnl_us"])]
+        lines += [f"| {m} | {l:.0f} | {'-' if d is None else f'{d:.0f}'} |"
+                  for m, l, d in zip(c["M"], c["linear_us"], c["dnnl_us"])]
         cross = c["crossover_m"]
-        lines.append(f"| crossover | {'none in range' if cross < 0 else f'M ≥ {cross}'} | |")
+        if c["dnnl_us"][0] is None:
+            lines.append(f"| crossover | none: oneDNN makes no {dt} matmul on this CPU | |")
+        else:
+            lines.append(f"| crossover | {'none in range' if cross < 0 else f'M ≥ {cross}'} | |")
     return "\n".join(lines)
 
 

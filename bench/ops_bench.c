@@ -22,7 +22,8 @@
  *                positions, no mask), f32 and bf16 (--attention too).
  * dnnl_crossover linear vs matmul_dnnl over one layer's gate/up/down for M rows:
  *                f32, f32 x with linear on a bf16 copy (dnnl on f32), and bf16
- *                (null where oneDNN makes no bf16 matmul) (--linear: only these).
+ *                (matmul_dnnl's times null where oneDNN makes no bf16 matmul: linear's
+ *                alone) (--linear: only these).
  * ops_us         other decode-sized ops, each with its barrier.
  * Every time is the median over repeats. Progress goes to stderr. */
 #define _GNU_SOURCE
@@ -441,8 +442,10 @@ static void mm_task(void *arg, int ith, int nth) {
 }
 
 /* linear over weights of dtype lin_wt (a bf16 copy of bf16-valued f32 weights
- * under f32 x) against matmul_dnnl over weights of x's dtype dt. */
-static void crossover(kw_pool *pool, kw_dtype dt, kw_dtype lin_wt, const char *key, const weights *w, FILE *out) {
+ * under f32 x) against matmul_dnnl over weights of x's dtype dt; linear alone
+ * where oneDNN makes no such matmul (dnnl 0: its times are null). */
+static void crossover(kw_pool *pool, kw_dtype dt, kw_dtype lin_wt, const char *key, const weights *w, int dnnl,
+                      FILE *out) {
     static const int64_t Ms[] = {1, 2, 4, 5, 8, 16, 32, 64, 128};
     const int nm = g_quick ? 7 : 9;
     const shape sh[3] = {{8192, 2048}, {8192, 2048}, {2048, 8192}};
@@ -459,7 +462,7 @@ static void crossover(kw_pool *pool, kw_dtype dt, kw_dtype lin_wt, const char *k
             c->t[0] = tensor2(w->y, dt, M, sh[i].n);
             c->t[1] = tensor2(w->x, dt, M, sh[i].k);
             c->t[2] = tensor2(p, dt, sh[i].n, sh[i].k);
-            check_call(KW_OP_MATMUL_DNNL, c);
+            if (dnnl) check_call(KW_OP_MATMUL_DNNL, c);
             packed[i] = *c;
             packed[i].t[2].dtype = lin_wt;
             const int64_t B = kw_linear_block(sh[i].k);
@@ -477,18 +480,19 @@ static void crossover(kw_pool *pool, kw_dtype dt, kw_dtype lin_wt, const char *k
         mm_job j = {pool, kw_op_get(KW_OP_LINEAR)->kernel, packed};
         lin[mi] = time_runs(pool, mm_task, &j, reps) * 1e6;
         j = (mm_job){pool, kw_op_get(KW_OP_MATMUL_DNNL)->kernel, plain};
-        dnn[mi] = time_runs(pool, mm_task, &j, reps) * 1e6;
+        dnn[mi] = dnnl ? time_runs(pool, mm_task, &j, reps) * 1e6 : -1;
         if (work) kw_mem_free(work, ws * (size_t)kw_pool_size(pool));
-        if (dnn[mi] < lin[mi] && cross < 0) cross = M;
+        if (dnnl && dnn[mi] < lin[mi] && cross < 0) cross = M;
         if (dnn[mi] >= lin[mi]) cross = -1; /* the crossover is where dnnl stays ahead */
-        fprintf(stderr, "  %s M=%lld: linear %.0f us, dnnl %.0f us\n", key, (long long)M, lin[mi], dnn[mi]);
+        fprintf(stderr, "  %s M=%lld: linear %.0f us", key, (long long)M, lin[mi]);
+        fprintf(stderr, dnnl ? ", dnnl %.0f us\n" : "\n", dnn[mi]);
     }
     fprintf(out, "\"%s\": {\"M\": [", key);
     for (int i = 0; i < nm; i++) fprintf(out, "%s%lld", i ? ", " : "", (long long)Ms[i]);
     fprintf(out, "], \"linear_us\": [");
     for (int i = 0; i < nm; i++) fprintf(out, "%s%.1f", i ? ", " : "", lin[i]);
     fprintf(out, "], \"dnnl_us\": [");
-    for (int i = 0; i < nm; i++) fprintf(out, "%s%.1f", i ? ", " : "", dnn[i]);
+    for (int i = 0; i < nm; i++) fprintf(out, dnnl ? "%s%.1f" : "%snull", i ? ", " : "", dnn[i]);
     fprintf(out, "], \"crossover_m\": %lld}", (long long)cross);
 }
 
@@ -617,12 +621,12 @@ int main(int argc, char **argv) {
 
     fprintf(stderr, "linear vs matmul_dnnl...\n");
     fprintf(out, ", \"dnnl_crossover\": {");
-    crossover(pool, KW_F32, KW_F32, "f32", &w, out);
+    crossover(pool, KW_F32, KW_F32, "f32", &w, 1, out);
     fprintf(out, ", ");
-    crossover(pool, KW_F32, KW_BF16, "f32 x, bf16 copy", &w, out);
+    crossover(pool, KW_F32, KW_BF16, "f32 x, bf16 copy", &w, 1, out);
     fprintf(out, ", ");
-    if (kw_dnnl_has_bf16_matmul()) crossover(pool, KW_BF16, KW_BF16, "bf16", &w, out);
-    else fprintf(out, "\"bf16\": null"); /* no bf16 matmul in oneDNN on this CPU (below AVX-512) */
+    /* no bf16 matmul in oneDNN below AVX-512: linear's times alone */
+    crossover(pool, KW_BF16, KW_BF16, "bf16", &w, kw_dnnl_has_bf16_matmul(), out);
     fprintf(out, "}}\n");
 
     kw_mem_free(w.mem, w.bytes);
