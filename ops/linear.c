@@ -94,6 +94,7 @@ int kw__lin_prepare(const kw_call *c, const char *op, int n_out, kw_isa isa, kw_
     }
     g->acts = KW__PICK(kw__linear_acts, isa);
     g->rows = KW__PICK(kw__linear_rows, isa);
+    g->panels = isa == KW_ISA_AVX2 && g->wt == KW_BF16 && g->M >= KW__PANELS_MIN_M;
     if (isa >= KW_ISA_AMX && amx_fits(g)) {
         g->amx_parts = g->xt == KW_BF16 ? 1 : 3;
         g->acts = kw__linear_acts_amx, g->rows = kw__linear_rows_amx, g->done = kw__linear_done_amx;

@@ -378,6 +378,123 @@ static void block_run(const kw__lin *g, const kw__acts *a, int64_t kb, int64_t n
     runs[MB - 1](x, a->xs, g->kblk, kw__lin_wrow(g, kb, n), g->ws * (int64_t)kw_dtype_size(g->wt), nr, g->pf, out);
 }
 
+/* Packed panels (KW__PANELS_MIN_M in linear.h), written over simd.h with
+ * 2·KW_VW weight rows a panel: KW__PANEL_ROWS on AVX2, the only build that
+ * takes them. Word i·2·KW_VW + j of a panel holds weight row n + j's elements
+ * 2i and 2i + 1 of block kb, so that kw_vpair_even / _odd of KW_VW words give
+ * KW_VW rows' weights at one even or odd k; zero past nr rows and past the
+ * block, to the padded block's bp elements. */
+#if KW_VW == 8
+#define KW__PANEL_N (2 * KW_VW)
+_Static_assert(KW__PANEL_N == KW__PANEL_ROWS, "a panel's rows are what linear.h sizes its scratch for");
+#define KW__PANEL_MR 6 /* rows of x a tile: 12 accumulators, two weight vectors, a broadcast */
+
+/* The 8 × 8 words at src (rows src_bytes apart) transposed into dst (rows
+ * dst_stride words apart). */
+static inline void transpose8x8(const char *src, int64_t src_bytes, uint32_t *dst, int64_t dst_stride) {
+    __m256 r[8], t[8];
+    for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_ps((const float *)(src + i * src_bytes));
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4)
+        for (int h = 0; h < 2; h++) {
+            r[i + h] = _mm256_shuffle_ps(t[i + h], t[i + h + 2], 0x44);
+            r[i + h + 2] = _mm256_shuffle_ps(t[i + h], t[i + h + 2], 0xee);
+        }
+    /* r[0..3] hold columns 0, 2, 1, 3 of rows 0-3 (and 4-7 in their high lanes); r[4..7] of rows 4-7 */
+    static const int col[4] = {0, 2, 1, 3};
+    for (int c = 0; c < 4; c++) {
+        _mm256_storeu_ps((float *)(dst + col[c] * dst_stride), _mm256_permute2f128_ps(r[c], r[c + 4], 0x20));
+        _mm256_storeu_ps((float *)(dst + (col[c] + 4) * dst_stride), _mm256_permute2f128_ps(r[c], r[c + 4], 0x31));
+    }
+}
+
+/* Elements [k0, k0 + len) of block kb of weight rows [n, n + nr) (len even). */
+static void pack_panel(const kw__lin *g, int64_t kb, int64_t k0, int64_t len, int64_t n, int64_t nr, uint32_t *dst) {
+    const int64_t whole = KW__MIN(len, g->kblk - k0) / 16 * 8; /* pairs in whole runs of 8 */
+    for (int64_t j0 = 0; j0 < KW__PANEL_N; j0 += 8) {
+        if (j0 + 8 <= nr) /* the whole runs of 8 pairs of 8 rows, transposed */
+            for (int64_t i0 = 0; i0 < whole; i0 += 8)
+                transpose8x8(kw__lin_wrow(g, kb, n + j0) + (k0 + 2 * i0) * 2, g->ws * 2, dst + i0 * KW__PANEL_N + j0,
+                             KW__PANEL_N);
+        for (int64_t j = j0; j < j0 + 8; j++) { /* what is left of each row, one pair at a time */
+            const uint16_t *w = j < nr ? (const uint16_t *)kw__lin_wrow(g, kb, n + j) : NULL;
+            for (int64_t i = j0 + 8 <= nr ? whole : 0; i < len / 2; i++) {
+                const int64_t k = k0 + 2 * i;
+                uint32_t v = 0;
+                if (w && k + 1 < g->kblk)
+                    memcpy(&v, w + k, 4);
+                else if (w && k < g->kblk)
+                    v = w[k];
+                dst[i * KW__PANEL_N + j] = v;
+            }
+        }
+    }
+}
+
+/* MR rearranged rows of x (xs floats apart, bp each) times a panel, into
+ * out[m·KW__PANEL_N + j]. In a rearranged group of 2·KW_VW, pair i's even
+ * element is at i and its odd one at KW_VW + i. */
+static inline __attribute__((always_inline)) void panel_tile(const float *x, int64_t xs, int64_t bp,
+                                                             const uint32_t *wp, float *out, const int MR) {
+    kw_v acc[KW__PANEL_MR][2];
+    for (int m = 0; m < MR; m++) acc[m][0] = acc[m][1] = kw_v_zero();
+    for (int64_t g = 0; g < bp; g += 2 * KW_VW)
+        for (int i = 0; i < KW_VW; i++) {
+            const uint16_t *p = (const uint16_t *)(wp + (g / 2 + i) * KW__PANEL_N);
+            const kw_vpair v0 = kw_vpair_load(p), v1 = kw_vpair_load(p + 2 * KW_VW);
+            kw_v w0 = kw_vpair_even(v0), w1 = kw_vpair_even(v1);
+            for (int m = 0; m < MR; m++) {
+                const kw_v xb = kw_v_set1(x[m * xs + g + i]);
+                acc[m][0] = kw_v_fmadd(w0, xb, acc[m][0]);
+                acc[m][1] = kw_v_fmadd(w1, xb, acc[m][1]);
+            }
+            w0 = kw_vpair_odd(v0), w1 = kw_vpair_odd(v1);
+            for (int m = 0; m < MR; m++) {
+                const kw_v xb = kw_v_set1(x[m * xs + g + KW_VW + i]);
+                acc[m][0] = kw_v_fmadd(w0, xb, acc[m][0]);
+                acc[m][1] = kw_v_fmadd(w1, xb, acc[m][1]);
+            }
+        }
+    for (int m = 0; m < MR; m++) {
+        kw_v_storeu(out + m * KW__PANEL_N, acc[m][0]);
+        kw_v_storeu(out + m * KW__PANEL_N + KW_VW, acc[m][1]);
+    }
+}
+
+typedef void (*kw__panel_fn)(const float *x, int64_t xs, int64_t bp, const uint32_t *wp, float *out);
+#define KW__PANEL_TILE(MR)                                                                                     \
+    static void panel_tile_##MR(const float *x, int64_t xs, int64_t bp, const uint32_t *wp, float *out) {     \
+        panel_tile(x, xs, bp, wp, out, MR);                                                                    \
+    }
+KW__PANEL_TILE(1) KW__PANEL_TILE(2) KW__PANEL_TILE(3) KW__PANEL_TILE(4) KW__PANEL_TILE(5) KW__PANEL_TILE(6)
+static const kw__panel_fn panel_tiles[KW__PANEL_MR] = {panel_tile_1, panel_tile_2, panel_tile_3,
+                                                       panel_tile_4, panel_tile_5, panel_tile_6};
+
+/* Weight rows [n0, n1) by every row of x, panel by panel and block by block
+ * (KW__PANEL_K of a block at a time), summed into acc[(n - n0)·M + m]. */
+static void panel_rows(const kw__lin *g, const kw__acts *a, int64_t n0, int64_t n1, uint32_t *wp, float *acc) {
+    float out[KW__PANEL_MR * KW__PANEL_N];
+    for (int64_t kb = 0; kb < g->K / g->kblk; kb++)
+        for (int64_t n = n0; n < n1; n += KW__PANEL_N) {
+            const int64_t nr = KW__MIN(KW__PANEL_N, n1 - n);
+            for (int64_t k0 = 0; k0 < a->kbs; k0 += KW__PANEL_K) {
+                const int64_t len = KW__MIN(KW__PANEL_K, a->kbs - k0);
+                pack_panel(g, kb, k0, len, n, nr, wp);
+                for (int64_t m0 = 0, mr; m0 < g->M; m0 += mr) {
+                    mr = KW__MIN(KW__PANEL_MR, g->M - m0);
+                    panel_tiles[mr - 1]((const float *)a->x + m0 * a->xs + kb * a->kbs + k0, a->xs, len, wp, out);
+                    for (int64_t j = 0; j < nr; j++)
+                        for (int64_t m = 0; m < mr; m++)
+                            acc[(n + j - n0) * g->M + m0 + m] += out[m * KW__PANEL_N + j];
+                }
+            }
+        }
+}
+#endif
+
 /* Stores MB dot products with weight row n, plus bias, rounding to y's dtype once. */
 static void store_tile(const kw__lin *g, const float *out, int MB, int64_t n, int64_t m0, char *y, int64_t ys,
                        int64_t col) {
@@ -388,7 +505,7 @@ static void store_tile(const kw__lin *g, const float *out, int MB, int64_t n, in
 void KW__ISA_NAME(kw__linear_rows)(const kw__lin *g, int64_t n0, int64_t n1, void *work) {
     const kw__acts a = acts_of(g, work);
     float out[KW__CHUNK * KW__MB_MAX];
-    if (g->kblk == g->K) { /* one block: each row's sums go straight to y */
+    if (g->kblk == g->K && !g->panels) { /* one block: each row's sums go straight to y */
         for (int j = 0; j < g->n_out; j++) {
             int64_t s0, s1;
             char *y;
@@ -405,20 +522,26 @@ void KW__ISA_NAME(kw__linear_rows)(const kw__lin *g, int64_t n0, int64_t n1, voi
         }
         return;
     }
-    /* K-blocked: block by block over the claimed rows, so one block's
-     * activations serve every row while they are in L1; partial sums per row. */
+    /* K-blocked or panels: partial sums per row. K-blocked tiles go block by
+     * block over the claimed rows, so one block's activations serve every row
+     * while they are in L1. */
     float *acc = (float *)((char *)work + kw__lin_acts_bytes(g));
     memset(acc, 0, (size_t)((n1 - n0) * g->M) * sizeof(float));
-    for (int64_t kb = 0; kb < g->K / g->kblk; kb++)
-        for (int64_t n = n0; n < n1; n += KW__CHUNK) {
-            const int64_t nr = KW__MIN(KW__CHUNK, n1 - n);
-            for (int64_t m0 = 0, MB; m0 < g->M; m0 += MB) {
-                MB = tile_rows(g->M, m0, a.mb_max);
-                block_run(g, &a, kb, n, nr, m0, MB, out);
-                for (int64_t r = 0; r < nr; r++)
-                    for (int m = 0; m < MB; m++) acc[(n + r - n0) * g->M + m0 + m] += out[r * MB + m];
+#if KW_VW == 8
+    if (g->panels)
+        panel_rows(g, &a, n0, n1, (uint32_t *)((char *)acc + kw__lin_partial_bytes(g)), acc);
+    else
+#endif
+        for (int64_t kb = 0; kb < g->K / g->kblk; kb++)
+            for (int64_t n = n0; n < n1; n += KW__CHUNK) {
+                const int64_t nr = KW__MIN(KW__CHUNK, n1 - n);
+                for (int64_t m0 = 0, MB; m0 < g->M; m0 += MB) {
+                    MB = tile_rows(g->M, m0, a.mb_max);
+                    block_run(g, &a, kb, n, nr, m0, MB, out);
+                    for (int64_t r = 0; r < nr; r++)
+                        for (int m = 0; m < MB; m++) acc[(n + r - n0) * g->M + m0 + m] += out[r * MB + m];
+                }
             }
-        }
     for (int j = 0; j < g->n_out; j++) {
         int64_t s0, s1;
         char *y;

@@ -95,13 +95,15 @@ Test(linear, k_blocked_weights_match_the_reference_and_the_plain_layout) {
 /* Rows per thread > KW__CHUNK, and tiles of 3 or more activation rows of 4 KiB
  * or more, which bf16 weights read three rows at a time on AVX-512
  * (KW__WIDE_ROW_BYTES): a K of 2051 (a partial group at the end of each row),
- * and K blocked by 2048; N = 301 and 97 leave one row after the threes. */
+ * and K blocked by 2048; N = 301 and 97 leave one row after the threes. 17
+ * rows of x over bf16 weights are packed panels on AVX2 (KW__PANELS_MIN_M),
+ * each block of K in parts of KW__PANEL_K, the last panel of 13 and 1 rows. */
 Test(linear, long_rows_and_many_outputs) {
     tt_rng r = {2};
     static const kw_dtype pairs[][2] = {{KW_F32, KW_F32}, {KW_F32, KW_BF16}, {KW_BF16, KW_BF16}};
-    static const int64_t rows[] = {1, 3, 4, 7};
+    static const int64_t rows[] = {1, 3, 4, 7, 17};
     for (int p = 0; p < 3; p++)
-        for (int i = 0; i < 4; i++) {
+        for (int i = 0; i < 5; i++) {
             const int64_t M = rows[i], K = 2051, N = 301;
             tt_case k = {0};
             make_x_w(&k, 1, 2, pairs[p][0], pairs[p][1], M, K, N, &r);
@@ -113,7 +115,7 @@ Test(linear, long_rows_and_many_outputs) {
             tt_free(&k);
         }
     for (int p = 1; p < 3; p++)
-        for (int64_t M = 3; M <= 6; M += 3) {
+        for (int64_t M = 3; M <= 17; M = M == 6 ? 17 : M + 3) {
             const int64_t K = 2 * KW_LINEAR_BLOCK, N = 97;
             tt_case k = {0};
             tt_padded(&k, 1, pairs[p][0], 2, TT_DIMS(M, K), 0, -1, 1, &r);
