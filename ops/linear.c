@@ -94,7 +94,7 @@ int kw__lin_prepare(const kw_call *c, const char *op, int n_out, kw_isa isa, kw_
     }
     g->acts = KW__PICK(kw__linear_acts, isa);
     g->rows = KW__PICK(kw__linear_rows, isa);
-    g->panels = isa == KW_ISA_AVX2 && g->wt == KW_BF16 && g->M >= KW__PANELS_MIN_M;
+    g->panels = kw__lin_takes_panels(isa, g->wt, g->M);
     if (isa >= KW_ISA_AMX && amx_fits(g)) {
         g->amx_parts = g->xt == KW_BF16 ? 1 : 3;
         g->acts = kw__linear_acts_amx, g->rows = kw__linear_rows_amx, g->done = kw__linear_done_amx;
@@ -256,6 +256,7 @@ static int grouped_linear_prepare(const kw_call *c, kw_isa isa, void *prep, char
     g->wt = w->dtype;
     g->acts = KW__PICK(kw__linear_acts, isa);
     g->rows = KW__PICK(kw__linear_rows, isa);
+    g->panels = kw__lin_takes_panels(isa, g->wt, g->M); /* sizes the scratch; each expert's rows decide */
     p->experts = w->shape[0];
     p->es = w->stride[0];
     return 0;
@@ -299,6 +300,7 @@ static void grouped_linear_kernel(const kw_call *c, int ith, int nth) {
                 g.w = w + (size_t)(expert[a] * p->es) * wsz;
                 g.out[0].y = y + (size_t)(start[a] * g.out[0].ys) * xsz;
                 g.pf = kw_cpu_prefetch_bytes(g.M);
+                g.panels = p->lin.panels && g.M >= KW__PANELS_MIN_M;
                 g.acts(&g, work);
                 laid_out = a;
             }

@@ -213,6 +213,10 @@ static inline size_t kw__lin_amx_by_rows_bytes(const kw__lin *g) {
  * while every tile of x reads it. */
 #define KW__PANEL_K 512
 
+static inline int kw__lin_takes_panels(kw_isa isa, kw_dtype wt, int64_t M) {
+    return isa == KW_ISA_AVX2 && wt == KW_BF16 && M >= KW__PANELS_MIN_M;
+}
+
 static inline size_t kw__lin_packed_panel_bytes(const kw__lin *g) {
     return g->panels ? (size_t)(KW__PANEL_ROWS * KW__MIN(kw__lin_block_padded(g->kblk), KW__PANEL_K)) * 2 : 0;
 }

@@ -597,14 +597,18 @@ Test(grouped_linear, every_variant_matches_the_reference_and_each_expert_its_row
 }
 
 /* Experts' rows long enough for wide tiles (KW__WIDE_ROW_BYTES), with up to 16
- * rows an expert. */
+ * rows an expert; in the last two trials 20, 2 and 18 rows of 40, which AVX2
+ * takes as packed panels where an expert has 16 rows or more
+ * (KW__PANELS_MIN_M). */
 Test(grouped_linear, long_rows) {
     tt_rng r = {13};
-    for (int trial = 0; trial < 6; trial++) {
+    for (int trial = 0; trial < 8; trial++) {
         const kw_dtype xt = trial % 2 ? KW_BF16 : KW_F32;
-        const int64_t S = 16, E = 3, K = 2051, N = 40;
+        const int64_t S = trial < 6 ? 16 : 40, E = 3, K = 2051, N = 40;
         tt_case k = {0};
         make_grouped(&k, xt, KW_BF16, S, E, K, N, KW_I64, 0, &r);
+        if (trial >= 6)
+            for (int64_t e = 0; e < E; e++) tt_set(&k.c.t[3], (int64_t[]){e}, (double[]){20, 22, 40}[e]);
         tt_check_variants(KW_OP_GROUPED_LINEAR, &k, lin_tol(xt, K), "grouped_linear, long rows");
         tt_run_shared(KW_OP_GROUPED_LINEAR, kw_cpu_isa(), &k.c, 2, 1);
         expect_grouped_product(&k, S, E, K, N, "grouped_linear, long rows");
