@@ -217,14 +217,22 @@ static inline int kw__lin_takes_panels(kw_isa isa, kw_dtype wt, int64_t M) {
     return isa == KW_ISA_AVX2 && wt == KW_BF16 && M >= KW__PANELS_MIN_M;
 }
 
+/* A thread's packed panel: KW__PANEL_ROWS weight rows × KW__PANEL_K of a block. */
 static inline size_t kw__lin_packed_panel_bytes(const kw__lin *g) {
     return g->panels ? (size_t)(KW__PANEL_ROWS * KW__MIN(kw__lin_block_padded(g->kblk), KW__PANEL_K)) * 2 : 0;
 }
 
-/* The partial sums of a thread's chunk of weight rows, M × its rows, where they
- * are summed over blocks of K or packed panels. */
+/* Packed panels sum into a block of up to KW__PANEL_SUM_ROWS weight rows ×
+ * KW__PANEL_SUM_M rows of x at a time, whatever M and the chunk's rows (a
+ * chunk of a short K has thousands): 64 KiB. */
+#define KW__PANEL_SUM_ROWS 64
+#define KW__PANEL_SUM_M 256
+
+/* The partial sums: for packed panels, one block of them; for K-blocked
+ * weights, M × the rows of a thread's chunk, summed over the blocks of K. */
 static inline size_t kw__lin_partial_bytes(const kw__lin *g) {
-    return g->kblk < g->K || g->panels ? (size_t)(g->M * kw__lin_chunk_rows(g)) * sizeof(float) : 0;
+    if (g->panels) return (size_t)(KW__PANEL_SUM_ROWS * KW__MIN(g->M, KW__PANEL_SUM_M)) * sizeof(float);
+    return g->kblk < g->K ? (size_t)(g->M * kw__lin_chunk_rows(g)) * sizeof(float) : 0;
 }
 
 /* A thread's scratch: the activations laid out, the AMX kernel's sums, the

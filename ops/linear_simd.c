@@ -26,7 +26,8 @@
  * pair up by 16 gives the even weights as f32, masking off its low half the odd
  * ones. The activations are rearranged to match once per call (per thread, into
  * its scratch): in each group of 2·KW_VW, the KW_VW even elements then the KW_VW
- * odd ones, zero-padded to whole groups in every block of K. */
+ * odd ones, zero-padded to whole groups in every block of K (only to those:
+ * past them, to kw__lin_block_padded, the scratch is not written). */
 #include "linear.h"
 #include "simd.h"
 
@@ -137,8 +138,10 @@ static inline __attribute__((always_inline)) void tile_pairs(const float *x, int
             prefetch_ahead(w + k + u * 2 * KW_VW, pf);
             pairs_step(kw_vpair_load(w + k + u * 2 * KW_VW), x + k + u * 2 * KW_VW, xs, even[u], odd[u], MB);
         }
-    for (; k < K; k += 2 * KW_VW)
-        pairs_step(k + 2 * KW_VW <= K ? kw_vpair_load(w + k) : kw_vpair_loadn(w + k, K - k), x + k, xs, even[0], odd[0], MB);
+    for (; k < K; k += 2 * KW_VW) {
+        const kw_vpair wv = k + 2 * KW_VW <= K ? kw_vpair_load(w + k) : kw_vpair_loadn(w + k, K - k);
+        pairs_step(wv, x + k, xs, even[0], odd[0], MB);
+    }
     for (int m = 0; m < MB; m++) {
         kw_v s = kw_v_add(even[0][m], odd[0][m]);
         for (int u = 1; u < U; u++) s = kw_v_add(s, kw_v_add(even[u][m], odd[u][m]));
@@ -378,15 +381,31 @@ static void block_run(const kw__lin *g, const kw__acts *a, int64_t kb, int64_t n
     runs[MB - 1](x, a->xs, g->kblk, kw__lin_wrow(g, kb, n), g->ws * (int64_t)kw_dtype_size(g->wt), nr, g->pf, out);
 }
 
-/* Packed panels (KW__PANELS_MIN_M in linear.h), written over simd.h with
- * 2·KW_VW weight rows a panel: KW__PANEL_ROWS on AVX2, the only build that
- * takes them. Word i·2·KW_VW + j of a panel holds weight row n + j's elements
- * 2i and 2i + 1 of block kb, so that kw_vpair_even / _odd of KW_VW words give
- * KW_VW rows' weights at one even or odd k; zero past nr rows and past the
- * block, to the padded block's bp elements. */
+/* Stores MB dot products with weight row n, plus bias, rounding to y's dtype once. */
+static void store_tile(const kw__lin *g, const float *out, int MB, int64_t n, int64_t m0, char *y, int64_t ys,
+                       int64_t col) {
+    const float bias = kw__lin_bias(g, n);
+    for (int m = 0; m < MB; m++) kw__stf(y, (m0 + m) * ys + col, g->yt, out[m] + bias);
+}
+
+/* Stores the sums of weight rows [n0, n1) with rows m0 .. m0 + mb - 1 of x,
+ * acc[(n - n0)·mb + m], in whichever outputs they fall. */
+static void store_sums(const kw__lin *g, const float *acc, int64_t n0, int64_t n1, int64_t m0, int64_t mb) {
+    for (int j = 0; j < g->n_out; j++) {
+        int64_t s0, s1;
+        char *y;
+        if (!kw__lin_segment(g, j, n0, n1, &s0, &s1, &y)) continue;
+        for (int64_t n = s0; n < s1; n++) store_tile(g, acc + (n - n0) * mb, (int)mb, n, m0, y, g->out[j].ys, n - s0);
+    }
+}
+
+/* Packed panels (KW__PANELS_MIN_M in linear.h), AVX2 only: 16 weight rows a
+ * panel, two vectors of KW_VW. Word i·16 + j of a panel holds weight row
+ * n + j's elements k0 + 2i and k0 + 2i + 1 of block kb, so that kw_vpair_even
+ * / _odd of KW_VW words give KW_VW rows' weights at one even or odd k; zero
+ * past nr rows and past the block. */
 #if KW_VW == 8
-#define KW__PANEL_N (2 * KW_VW)
-_Static_assert(KW__PANEL_N == KW__PANEL_ROWS, "a panel's rows are what linear.h sizes its scratch for");
+_Static_assert(KW__PANEL_ROWS == 2 * KW_VW, "a panel's 16 words of one pair of K are two kw_vpair");
 #define KW__PANEL_MR 6 /* rows of x a tile: 12 accumulators, two weight vectors, a broadcast */
 
 /* The 8 × 8 words at src (rows src_bytes apart) transposed into dst (rows
@@ -403,7 +422,8 @@ static inline void transpose8x8(const char *src, int64_t src_bytes, uint32_t *ds
             r[i + h] = _mm256_shuffle_ps(t[i + h], t[i + h + 2], 0x44);
             r[i + h + 2] = _mm256_shuffle_ps(t[i + h], t[i + h + 2], 0xee);
         }
-    /* r[0..3] hold columns 0, 2, 1, 3 of rows 0-3 (and 4-7 in their high lanes); r[4..7] of rows 4-7 */
+    /* r[0..3] hold columns 0, 2, 1, 3 of rows 0-3 in their low lanes and columns
+     * 4, 6, 5, 7 in their high lanes; r[4..7] the same of rows 4-7 */
     static const int col[4] = {0, 2, 1, 3};
     for (int c = 0; c < 4; c++) {
         _mm256_storeu_ps((float *)(dst + col[c] * dst_stride), _mm256_permute2f128_ps(r[c], r[c + 4], 0x20));
@@ -414,11 +434,11 @@ static inline void transpose8x8(const char *src, int64_t src_bytes, uint32_t *ds
 /* Elements [k0, k0 + len) of block kb of weight rows [n, n + nr) (len even). */
 static void pack_panel(const kw__lin *g, int64_t kb, int64_t k0, int64_t len, int64_t n, int64_t nr, uint32_t *dst) {
     const int64_t whole = KW__MIN(len, g->kblk - k0) / 16 * 8; /* pairs in whole runs of 8 */
-    for (int64_t j0 = 0; j0 < KW__PANEL_N; j0 += 8) {
+    for (int64_t j0 = 0; j0 < KW__PANEL_ROWS; j0 += 8) {
         if (j0 + 8 <= nr) /* the whole runs of 8 pairs of 8 rows, transposed */
             for (int64_t i0 = 0; i0 < whole; i0 += 8)
-                transpose8x8(kw__lin_wrow(g, kb, n + j0) + (k0 + 2 * i0) * 2, g->ws * 2, dst + i0 * KW__PANEL_N + j0,
-                             KW__PANEL_N);
+                transpose8x8(kw__lin_wrow(g, kb, n + j0) + (k0 + 2 * i0) * 2, g->ws * 2, dst + i0 * KW__PANEL_ROWS + j0,
+                             KW__PANEL_ROWS);
         for (int64_t j = j0; j < j0 + 8; j++) { /* what is left of each row, one pair at a time */
             const uint16_t *w = j < nr ? (const uint16_t *)kw__lin_wrow(g, kb, n + j) : NULL;
             for (int64_t i = j0 + 8 <= nr ? whole : 0; i < len / 2; i++) {
@@ -428,14 +448,14 @@ static void pack_panel(const kw__lin *g, int64_t kb, int64_t k0, int64_t len, in
                     memcpy(&v, w + k, 4);
                 else if (w && k < g->kblk)
                     v = w[k];
-                dst[i * KW__PANEL_N + j] = v;
+                dst[i * KW__PANEL_ROWS + j] = v;
             }
         }
     }
 }
 
 /* MR rearranged rows of x (xs floats apart, bp each) times a panel, into
- * out[m·KW__PANEL_N + j]. In a rearranged group of 2·KW_VW, pair i's even
+ * out[m·KW__PANEL_ROWS + j]. In a rearranged group of 2·KW_VW, pair i's even
  * element is at i and its odd one at KW_VW + i. */
 static inline __attribute__((always_inline)) void panel_tile(const float *x, int64_t xs, int64_t bp,
                                                              const uint32_t *wp, float *out, const int MR) {
@@ -443,7 +463,7 @@ static inline __attribute__((always_inline)) void panel_tile(const float *x, int
     for (int m = 0; m < MR; m++) acc[m][0] = acc[m][1] = kw_v_zero();
     for (int64_t g = 0; g < bp; g += 2 * KW_VW)
         for (int i = 0; i < KW_VW; i++) {
-            const uint16_t *p = (const uint16_t *)(wp + (g / 2 + i) * KW__PANEL_N);
+            const uint16_t *p = (const uint16_t *)(wp + (g / 2 + i) * KW__PANEL_ROWS);
             const kw_vpair v0 = kw_vpair_load(p), v1 = kw_vpair_load(p + 2 * KW_VW);
             kw_v w0 = kw_vpair_even(v0), w1 = kw_vpair_even(v1);
             for (int m = 0; m < MR; m++) {
@@ -459,8 +479,8 @@ static inline __attribute__((always_inline)) void panel_tile(const float *x, int
             }
         }
     for (int m = 0; m < MR; m++) {
-        kw_v_storeu(out + m * KW__PANEL_N, acc[m][0]);
-        kw_v_storeu(out + m * KW__PANEL_N + KW_VW, acc[m][1]);
+        kw_v_storeu(out + m * KW__PANEL_ROWS, acc[m][0]);
+        kw_v_storeu(out + m * KW__PANEL_ROWS + KW_VW, acc[m][1]);
     }
 }
 
@@ -473,39 +493,55 @@ KW__PANEL_TILE(1) KW__PANEL_TILE(2) KW__PANEL_TILE(3) KW__PANEL_TILE(4) KW__PANE
 static const kw__panel_fn panel_tiles[KW__PANEL_MR] = {panel_tile_1, panel_tile_2, panel_tile_3,
                                                        panel_tile_4, panel_tile_5, panel_tile_6};
 
-/* Weight rows [n0, n1) by every row of x, panel by panel and block by block
- * (KW__PANEL_K of a block at a time), summed into acc[(n - n0)·M + m]. */
-static void panel_rows(const kw__lin *g, const kw__acts *a, int64_t n0, int64_t n1, uint32_t *wp, float *acc) {
-    float out[KW__PANEL_MR * KW__PANEL_N];
-    for (int64_t kb = 0; kb < g->K / g->kblk; kb++)
-        for (int64_t n = n0; n < n1; n += KW__PANEL_N) {
-            const int64_t nr = KW__MIN(KW__PANEL_N, n1 - n);
-            for (int64_t k0 = 0; k0 < a->kbs; k0 += KW__PANEL_K) {
-                const int64_t len = KW__MIN(KW__PANEL_K, a->kbs - k0);
-                pack_panel(g, kb, k0, len, n, nr, wp);
-                for (int64_t m0 = 0, mr; m0 < g->M; m0 += mr) {
-                    mr = KW__MIN(KW__PANEL_MR, g->M - m0);
-                    panel_tiles[mr - 1]((const float *)a->x + m0 * a->xs + kb * a->kbs + k0, a->xs, len, wp, out);
-                    for (int64_t j = 0; j < nr; j++)
-                        for (int64_t m = 0; m < mr; m++)
-                            acc[(n + j - n0) * g->M + m0 + m] += out[m * KW__PANEL_N + j];
+/* Weight rows [n0, n1) by every row of x into y: for each block of sums
+ * (KW__PANEL_SUM_ROWS × KW__PANEL_SUM_M in linear.h), panel by panel and block
+ * of K by block (KW__PANEL_K of one at a time). A block's activations are laid
+ * out to whole groups of 2·KW_VW only; past them, to the padded kbs, the
+ * scratch holds whatever was there (an attention step's -inf), which the zero
+ * weights packed there would make NaN, so the panels stop at the groups. */
+static void panel_rows(const kw__lin *g, const kw__acts *a, int64_t n0, int64_t n1, void *work) {
+    float *acc = (float *)((char *)work + kw__lin_acts_bytes(g));
+    uint32_t *wp = (uint32_t *)((char *)acc + kw__lin_partial_bytes(g));
+    float out[KW__PANEL_MR * KW__PANEL_ROWS];
+    const int64_t laid = (g->kblk + 2 * KW_VW - 1) / (2 * KW_VW) * (2 * KW_VW);
+    for (int64_t nb0 = n0; nb0 < n1; nb0 += KW__PANEL_SUM_ROWS) {
+        const int64_t nb1 = KW__MIN(n1, nb0 + KW__PANEL_SUM_ROWS);
+        for (int64_t mb0 = 0; mb0 < g->M; mb0 += KW__PANEL_SUM_M) {
+            const int64_t mb = KW__MIN(KW__PANEL_SUM_M, g->M - mb0);
+            memset(acc, 0, (size_t)((nb1 - nb0) * mb) * sizeof(float));
+            for (int64_t kb = 0; kb < g->K / g->kblk; kb++)
+                for (int64_t n = nb0; n < nb1; n += KW__PANEL_ROWS) {
+                    const int64_t nr = KW__MIN(KW__PANEL_ROWS, nb1 - n);
+                    for (int64_t k0 = 0; k0 < laid; k0 += KW__PANEL_K) {
+                        const int64_t len = KW__MIN(KW__PANEL_K, laid - k0);
+                        pack_panel(g, kb, k0, len, n, nr, wp);
+                        for (int64_t m0 = mb0, mr; m0 < mb0 + mb; m0 += mr) {
+                            mr = KW__MIN(KW__PANEL_MR, mb0 + mb - m0);
+                            panel_tiles[mr - 1]((const float *)a->x + m0 * a->xs + kb * a->kbs + k0, a->xs, len, wp,
+                                                out);
+                            for (int64_t j = 0; j < nr; j++)
+                                for (int64_t m = 0; m < mr; m++)
+                                    acc[(n + j - nb0) * mb + m0 - mb0 + m] += out[m * KW__PANEL_ROWS + j];
+                        }
+                    }
                 }
-            }
+            store_sums(g, acc, nb0, nb1, mb0, mb);
         }
+    }
 }
 #endif
 
-/* Stores MB dot products with weight row n, plus bias, rounding to y's dtype once. */
-static void store_tile(const kw__lin *g, const float *out, int MB, int64_t n, int64_t m0, char *y, int64_t ys,
-                       int64_t col) {
-    const float bias = kw__lin_bias(g, n);
-    for (int m = 0; m < MB; m++) kw__stf(y, (m0 + m) * ys + col, g->yt, out[m] + bias);
-}
 
 void KW__ISA_NAME(kw__linear_rows)(const kw__lin *g, int64_t n0, int64_t n1, void *work) {
     const kw__acts a = acts_of(g, work);
     float out[KW__CHUNK * KW__MB_MAX];
-    if (g->kblk == g->K && !g->panels) { /* one block: each row's sums go straight to y */
+#if KW_VW == 8
+    if (g->panels) {
+        panel_rows(g, &a, n0, n1, work);
+        return;
+    }
+#endif
+    if (g->kblk == g->K) { /* one block: each row's sums go straight to y */
         for (int j = 0; j < g->n_out; j++) {
             int64_t s0, s1;
             char *y;
@@ -522,30 +558,19 @@ void KW__ISA_NAME(kw__linear_rows)(const kw__lin *g, int64_t n0, int64_t n1, voi
         }
         return;
     }
-    /* K-blocked or panels: partial sums per row. K-blocked tiles go block by
-     * block over the claimed rows, so one block's activations serve every row
-     * while they are in L1. */
+    /* K-blocked: block by block over the claimed rows, so one block's
+     * activations serve every row while they are in L1; partial sums per row. */
     float *acc = (float *)((char *)work + kw__lin_acts_bytes(g));
     memset(acc, 0, (size_t)((n1 - n0) * g->M) * sizeof(float));
-#if KW_VW == 8
-    if (g->panels)
-        panel_rows(g, &a, n0, n1, (uint32_t *)((char *)acc + kw__lin_partial_bytes(g)), acc);
-    else
-#endif
-        for (int64_t kb = 0; kb < g->K / g->kblk; kb++)
-            for (int64_t n = n0; n < n1; n += KW__CHUNK) {
-                const int64_t nr = KW__MIN(KW__CHUNK, n1 - n);
-                for (int64_t m0 = 0, MB; m0 < g->M; m0 += MB) {
-                    MB = tile_rows(g->M, m0, a.mb_max);
-                    block_run(g, &a, kb, n, nr, m0, MB, out);
-                    for (int64_t r = 0; r < nr; r++)
-                        for (int m = 0; m < MB; m++) acc[(n + r - n0) * g->M + m0 + m] += out[r * MB + m];
-                }
+    for (int64_t kb = 0; kb < g->K / g->kblk; kb++)
+        for (int64_t n = n0; n < n1; n += KW__CHUNK) {
+            const int64_t nr = KW__MIN(KW__CHUNK, n1 - n);
+            for (int64_t m0 = 0, MB; m0 < g->M; m0 += MB) {
+                MB = tile_rows(g->M, m0, a.mb_max);
+                block_run(g, &a, kb, n, nr, m0, MB, out);
+                for (int64_t r = 0; r < nr; r++)
+                    for (int m = 0; m < MB; m++) acc[(n + r - n0) * g->M + m0 + m] += out[r * MB + m];
             }
-    for (int j = 0; j < g->n_out; j++) {
-        int64_t s0, s1;
-        char *y;
-        if (!kw__lin_segment(g, j, n0, n1, &s0, &s1, &y)) continue;
-        for (int64_t n = s0; n < s1; n++) store_tile(g, acc + (n - n0) * g->M, (int)g->M, n, 0, y, g->out[j].ys, n - s0);
-    }
+        }
+    store_sums(g, acc, n0, n1, 0, g->M);
 }

@@ -46,14 +46,14 @@ static void matmul_dnnl_release(void *prep) {
     p->prim = NULL, p->src = p->wei = p->bias_mem = p->dst = NULL, p->stream = NULL, p->engine = NULL;
 }
 
-/* A matmul of an M × K x (rows xs apart) by a K × N weight (strides wk, wn)
- * into an M × N y (rows ys apart), plus a [1, N] bias where `bias`, all of
- * dtype dt: its memory descriptors, and in *pd the primitive descriptor oneDNN
- * chose (nonzero where it has none: no such matmul on this CPU). */
 typedef struct kw__dnnl_descs {
     dnnl_memory_desc_t src, wei, bias, dst;
 } kw__dnnl_descs;
 
+/* A matmul of an M × K x (rows xs apart) by a K × N weight (strides wk, wn)
+ * into an M × N y (rows ys apart), plus a [1, N] bias where `bias`, all of
+ * dtype dt: its memory descriptors, and in *pd the primitive descriptor oneDNN
+ * chose (nonzero where it has none: no such matmul on this CPU). */
 static int describe(dnnl_engine_t engine, dnnl_data_type_t dt, int64_t M, int64_t N, int64_t K, int64_t xs,
                     int64_t wk, int64_t wn, int64_t ys, int bias, kw__dnnl_descs *d, dnnl_primitive_desc_t *pd) {
     dnnl_matmul_desc_t md;

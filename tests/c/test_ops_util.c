@@ -107,7 +107,9 @@ void tt_run_shared(kw_op_id op, kw_isa isa, const kw_call *c, int nth, int share
                  info->name, msg);
     const size_t ws = info->work_size ? (info->work_size(prep) + 63) / 64 * 64 : 0;
     void *work = ws ? malloc(ws * (size_t)nth) : NULL;
-    if (work) memset(work, 0xa5, ws * (size_t)nth);
+    /* NaN in every float and bf16: a kernel that reads scratch it has not written
+     * (padding it assumed zero) makes NaN of what it multiplies by zero */
+    if (work) memset(work, 0xff, ws * (size_t)nth);
     call.work = work;
     call.work_stride = ws;
     /* Threads run one after another here, so with a share line the first takes
