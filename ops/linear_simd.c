@@ -454,14 +454,14 @@ static void pack_panel(const kw__lin *g, int64_t kb, int64_t k0, int64_t len, in
     }
 }
 
-/* MR rearranged rows of x (xs floats apart, bp each) times a panel, into
- * out[m·KW__PANEL_ROWS + j]. In a rearranged group of 2·KW_VW, pair i's even
- * element is at i and its odd one at KW_VW + i. */
-static inline __attribute__((always_inline)) void panel_tile(const float *x, int64_t xs, int64_t bp,
+/* MR rearranged rows of x (xs floats apart, len of each: whole groups) times a
+ * panel, into out[m·KW__PANEL_ROWS + j]. In a rearranged group of 2·KW_VW, pair
+ * i's even element is at i and its odd one at KW_VW + i. */
+static inline __attribute__((always_inline)) void panel_tile(const float *x, int64_t xs, int64_t len,
                                                              const uint32_t *wp, float *out, const int MR) {
     kw_v acc[KW__PANEL_MR][2];
     for (int m = 0; m < MR; m++) acc[m][0] = acc[m][1] = kw_v_zero();
-    for (int64_t g = 0; g < bp; g += 2 * KW_VW)
+    for (int64_t g = 0; g < len; g += 2 * KW_VW)
         for (int i = 0; i < KW_VW; i++) {
             const uint16_t *p = (const uint16_t *)(wp + (g / 2 + i) * KW__PANEL_ROWS);
             const kw_vpair v0 = kw_vpair_load(p), v1 = kw_vpair_load(p + 2 * KW_VW);
@@ -484,10 +484,10 @@ static inline __attribute__((always_inline)) void panel_tile(const float *x, int
     }
 }
 
-typedef void (*kw__panel_fn)(const float *x, int64_t xs, int64_t bp, const uint32_t *wp, float *out);
+typedef void (*kw__panel_fn)(const float *x, int64_t xs, int64_t len, const uint32_t *wp, float *out);
 #define KW__PANEL_TILE(MR)                                                                                     \
-    static void panel_tile_##MR(const float *x, int64_t xs, int64_t bp, const uint32_t *wp, float *out) {     \
-        panel_tile(x, xs, bp, wp, out, MR);                                                                    \
+    static void panel_tile_##MR(const float *x, int64_t xs, int64_t len, const uint32_t *wp, float *out) {    \
+        panel_tile(x, xs, len, wp, out, MR);                                                                   \
     }
 KW__PANEL_TILE(1) KW__PANEL_TILE(2) KW__PANEL_TILE(3) KW__PANEL_TILE(4) KW__PANEL_TILE(5) KW__PANEL_TILE(6)
 static const kw__panel_fn panel_tiles[KW__PANEL_MR] = {panel_tile_1, panel_tile_2, panel_tile_3,
@@ -530,7 +530,6 @@ static void panel_rows(const kw__lin *g, const kw__acts *a, int64_t n0, int64_t 
     }
 }
 #endif
-
 
 void KW__ISA_NAME(kw__linear_rows)(const kw__lin *g, int64_t n0, int64_t n1, void *work) {
     const kw__acts a = acts_of(g, work);
