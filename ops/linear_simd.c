@@ -411,24 +411,10 @@ _Static_assert(KW__PANEL_ROWS == 2 * KW_VW, "a panel's 16 words of one pair of K
 /* The 8 × 8 words at src (rows src_bytes apart) transposed into dst (rows
  * dst_stride words apart). */
 static inline void transpose8x8(const char *src, int64_t src_bytes, uint32_t *dst, int64_t dst_stride) {
-    __m256 r[8], t[8];
-    for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_ps((const float *)(src + i * src_bytes));
-    for (int i = 0; i < 8; i += 2) {
-        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
-        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
-    }
-    for (int i = 0; i < 8; i += 4)
-        for (int h = 0; h < 2; h++) {
-            r[i + h] = _mm256_shuffle_ps(t[i + h], t[i + h + 2], 0x44);
-            r[i + h + 2] = _mm256_shuffle_ps(t[i + h], t[i + h + 2], 0xee);
-        }
-    /* r[0..3] hold columns 0, 2, 1, 3 of rows 0-3 in their low lanes and columns
-     * 4, 6, 5, 7 in their high lanes; r[4..7] the same of rows 4-7 */
-    static const int col[4] = {0, 2, 1, 3};
-    for (int c = 0; c < 4; c++) {
-        _mm256_storeu_ps((float *)(dst + col[c] * dst_stride), _mm256_permute2f128_ps(r[c], r[c + 4], 0x20));
-        _mm256_storeu_ps((float *)(dst + (col[c] + 4) * dst_stride), _mm256_permute2f128_ps(r[c], r[c + 4], 0x31));
-    }
+    kw_v r[8];
+    for (int i = 0; i < 8; i++) r[i] = kw_v_loadu((const float *)(src + i * src_bytes));
+    kw_v_transpose(r);
+    for (int i = 0; i < 8; i++) kw_v_storeu((float *)(dst + i * dst_stride), r[i]);
 }
 
 /* Elements [k0, k0 + len) of block kb of weight rows [n, n + nr) (len even). */
