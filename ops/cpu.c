@@ -92,8 +92,15 @@ static int is_intel(void) {
  * (2 threads, calls interleaved), lines 4 KiB ahead took q = 4 from 40.9 to
  * 31.4 ms (f32 x over bf16 copies), q = 5 from 42.7 to 35.5, q = 8 from 50.5 to
  * 43.9, and bf16 q = 5 from 32.6 to 28.2, q = 8 from 35.9 to 31.5 (1, 2 and
- * 16 KiB ahead measured no better). */
-int64_t kw_cpu_prefetch_bytes(int64_t rows) {
+ * 16 KiB ahead measured no better). Below AVX-512 a bf16 weight line takes
+ * twice the instructions of an AVX-512 one, and there one row of x falls behind
+ * too: on a Zen 3 EPYC (AVX2, 2 threads, ops_bench's GEMV, the same process
+ * alternating sets with and without), bf16 weights 1 KiB ahead read 6-10 %
+ * faster over Llama-3.2-1B's shapes and 3-10 % over SmolLM2-360M's while the
+ * host read at 28-45 GB/s, 11-16 % faster at 46 GB/s; 768 B did the same,
+ * 512 B mixed, 1536 B 5-9 % slower, 2 and 4 KiB 15-20 % slower. f32 weights
+ * lost 4-12 % with 1 KiB. */
+int64_t kw_cpu_prefetch_bytes(int64_t rows, kw_dtype weights) {
     static int64_t from_env = -2, intel = -1; /* from_env -1: not set; benign races, as in kw_cpu_isa */
     if (from_env == -2) {
         const char *env = getenv("KWKER_PREFETCH");
@@ -103,5 +110,6 @@ int64_t kw_cpu_prefetch_bytes(int64_t rows) {
     }
     if (from_env >= 0) return from_env;
     if (intel < 0) intel = is_intel();
-    return intel || rows > 1 ? 4096 : 0;
+    if (intel || rows > 1) return 4096;
+    return weights == KW_BF16 && kw_cpu_isa() < KW_ISA_AVX512 ? 1024 : 0;
 }

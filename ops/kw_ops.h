@@ -28,9 +28,10 @@ kw_isa kw_cpu_isa(void);
 const char *kw_isa_name(kw_isa isa);
 
 /* How far ahead (bytes) the linear kernels prefetch the weight stream in software
- * for `rows` rows of x, 0 for none: KWKER_PREFETCH=<bytes> when set, else by
- * vendor and rows (cpu.c says why). */
-int64_t kw_cpu_prefetch_bytes(int64_t rows);
+ * for `rows` rows of x over weights of that dtype, 0 for none:
+ * KWKER_PREFETCH=<bytes> when set, else by vendor, rows, dtype and ISA (cpu.c
+ * says why). */
+int64_t kw_cpu_prefetch_bytes(int64_t rows, kw_dtype weights);
 
 typedef enum kw_op_id {
 #define KW_OP(id, name) KW_OP_##id,

@@ -48,15 +48,27 @@ Test(cpu, detected_isa_agrees_with_the_compiler_builtin) {
 
 /* Criterion runs each test in its own process, so the environment read on the
  * first call is this test's. */
-Test(cpu, prefetch_distance_by_vendor_and_rows) {
+Test(cpu, prefetch_distance_by_vendor_rows_dtype_and_isa) {
     unsetenv("KWKER_PREFETCH");
     __builtin_cpu_init();
-    cr_expect_eq(kw_cpu_prefetch_bytes(1), __builtin_cpu_is("intel") ? 4096 : 0, "one row: Intel only");
-    cr_expect_eq(kw_cpu_prefetch_bytes(5), 4096, "several rows: every CPU");
+    const int intel = __builtin_cpu_is("intel"), below_avx512 = kw_cpu_isa() < KW_ISA_AVX512;
+    cr_expect_eq(kw_cpu_prefetch_bytes(1, KW_F32), intel ? 4096 : 0, "one row of f32 weights: Intel only");
+    cr_expect_eq(kw_cpu_prefetch_bytes(1, KW_BF16), intel ? 4096 : below_avx512 ? 1024 : 0,
+                 "one row of bf16 weights: Intel, and 1 KiB below AVX-512");
+    cr_expect_eq(kw_cpu_prefetch_bytes(5, KW_F32), 4096, "several rows: every CPU");
+    cr_expect_eq(kw_cpu_prefetch_bytes(5, KW_BF16), 4096, "several rows: every CPU");
+}
+
+/* The ISA cap (KWKER_ISA) decides which kernels run, and so the distance. */
+Test(cpu, prefetch_distance_follows_the_isa_cap) {
+    unsetenv("KWKER_PREFETCH");
+    setenv("KWKER_ISA", "avx2", 1);
+    __builtin_cpu_init();
+    cr_expect_eq(kw_cpu_prefetch_bytes(1, KW_BF16), __builtin_cpu_is("intel") ? 4096 : 1024);
 }
 
 Test(cpu, prefetch_distance_from_the_environment_for_every_row_count) {
     setenv("KWKER_PREFETCH", "1024", 1);
-    cr_expect_eq(kw_cpu_prefetch_bytes(1), 1024);
-    cr_expect_eq(kw_cpu_prefetch_bytes(8), 1024);
+    cr_expect_eq(kw_cpu_prefetch_bytes(1, KW_F32), 1024);
+    cr_expect_eq(kw_cpu_prefetch_bytes(8, KW_BF16), 1024);
 }
