@@ -99,7 +99,9 @@ static int is_intel(void) {
  * faster over Llama-3.2-1B's shapes and 3-10 % over SmolLM2-360M's while the
  * host read at 28-45 GB/s, 11-16 % faster at 46 GB/s; 768 B did the same,
  * 512 B mixed, 1536 B 5-9 % slower, 2 and 4 KiB 15-20 % slower. f32 weights
- * lost 4-12 % with 1 KiB. */
+ * lost 4-12 % with 1 KiB. With several rows of x 1 KiB beat 4 KiB there too
+ * (SmolLM2-360M's shapes, 46 GB/s): bf16 weights at 2, 4, 5 and 8 rows 25-29,
+ * 6-9, 8-10 and 4-8 % faster, f32 weights at 2, 4 and 5 rows 15-17 %. */
 int64_t kw_cpu_prefetch_bytes(int64_t rows, kw_dtype weights) {
     static int64_t from_env = -2, intel = -1; /* from_env -1: not set; benign races, as in kw_cpu_isa */
     if (from_env == -2) {
@@ -110,6 +112,7 @@ int64_t kw_cpu_prefetch_bytes(int64_t rows, kw_dtype weights) {
     }
     if (from_env >= 0) return from_env;
     if (intel < 0) intel = is_intel();
-    if (intel || rows > 1) return 4096;
-    return weights == KW_BF16 && kw_cpu_isa() < KW_ISA_AVX512 ? 1024 : 0;
+    if (intel) return 4096;
+    if (kw_cpu_isa() < KW_ISA_AVX512) return rows > 1 || weights == KW_BF16 ? 1024 : 0;
+    return rows > 1 ? 4096 : 0;
 }

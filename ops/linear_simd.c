@@ -21,7 +21,7 @@
  * few lines in flight on that stream, so there each weight line is also
  * prefetched pf bytes ahead (kw_cpu_prefetch_bytes; on other CPUs only where
  * each line takes longer to consume: several rows of x, or bf16 weights on
- * AVX2).
+ * AVX2; cpu.c has the distances).
  *
  * bf16 weights are read 2·KW_VW at a time as KW_VW 32-bit pairs: shifting each
  * pair up by 16 gives the even weights as f32, masking off its low half the odd

@@ -52,11 +52,12 @@ Test(cpu, prefetch_distance_by_vendor_rows_dtype_and_isa) {
     unsetenv("KWKER_PREFETCH");
     __builtin_cpu_init();
     const int intel = __builtin_cpu_is("intel"), below_avx512 = kw_cpu_isa() < KW_ISA_AVX512;
+    const int64_t several = intel ? 4096 : below_avx512 ? 1024 : 4096;
     cr_expect_eq(kw_cpu_prefetch_bytes(1, KW_F32), intel ? 4096 : 0, "one row of f32 weights: Intel only");
     cr_expect_eq(kw_cpu_prefetch_bytes(1, KW_BF16), intel ? 4096 : below_avx512 ? 1024 : 0,
                  "one row of bf16 weights: Intel, and 1 KiB below AVX-512");
-    cr_expect_eq(kw_cpu_prefetch_bytes(5, KW_F32), 4096, "several rows: every CPU");
-    cr_expect_eq(kw_cpu_prefetch_bytes(5, KW_BF16), 4096, "several rows: every CPU");
+    cr_expect_eq(kw_cpu_prefetch_bytes(5, KW_F32), several, "several rows: every CPU");
+    cr_expect_eq(kw_cpu_prefetch_bytes(5, KW_BF16), several, "several rows: every CPU");
 }
 
 /* The ISA cap (KWKER_ISA) decides which kernels run, and so the distance. */
@@ -64,7 +65,10 @@ Test(cpu, prefetch_distance_follows_the_isa_cap) {
     unsetenv("KWKER_PREFETCH");
     setenv("KWKER_ISA", "avx2", 1);
     __builtin_cpu_init();
-    cr_expect_eq(kw_cpu_prefetch_bytes(1, KW_BF16), __builtin_cpu_is("intel") ? 4096 : 1024);
+    const int intel = __builtin_cpu_is("intel");
+    cr_expect_eq(kw_cpu_prefetch_bytes(1, KW_BF16), intel ? 4096 : 1024);
+    cr_expect_eq(kw_cpu_prefetch_bytes(1, KW_F32), intel ? 4096 : 0);
+    cr_expect_eq(kw_cpu_prefetch_bytes(2, KW_F32), intel ? 4096 : 1024);
 }
 
 Test(cpu, prefetch_distance_from_the_environment_for_every_row_count) {
