@@ -97,7 +97,7 @@ static int is_intel(void) {
  * too: on a Zen 3 EPYC (AVX2, 2 threads, ops_bench's GEMV, the same process
  * alternating sets with and without), bf16 weights 1 KiB ahead read 6-10 %
  * faster over Llama-3.2-1B's shapes and 3-10 % over SmolLM2-360M's while the
- * host read at 28-45 GB/s, 11-16 % faster at 46 GB/s; 768 B did the same,
+ * host read at 28-45 GB/s, 5-16 % faster at 46 GB/s; 768 B did the same,
  * 512 B mixed, 1536 B 5-9 % slower, 2 and 4 KiB 15-20 % slower. f32 weights
  * lost 4-12 % with 1 KiB. With several rows of x 1 KiB beat 4 KiB there too
  * (SmolLM2-360M's shapes, 46 GB/s): bf16 weights at 2, 4, 5 and 8 rows 25-29,
