@@ -23,7 +23,7 @@ from torch.fx import Node
 
 from kwker import _C
 from kwker.custom_ops import GELU_MODES, LINEAR_MULTI_OUTPUTS, ROTARY_HALF, ops
-from kwker.rewrite.match import val
+from kwker.rewrite.match import convolution_parameters, native_convolution, val
 from kwker.weights import HUGE_PAGES_BELOW_ROWS, CopiedWeight, by_matmul, rows_per_call
 
 aten = torch.ops.aten
@@ -992,16 +992,14 @@ def _lower_convolution(lw: _Lowering, node: Node):
     rejecting other layouts (MobileNet's NCHW); a 2-D convolution whose kernel
     is its stride, as a linear over its patches. Every other convolution stays
     oneDNN's through ATen."""
-    x, w, b, stride, padding, dilation, transposed, _, groups = node.args
+    x, w, b = node.args[:3]
     xv, wv = val(x), val(w)
-    if transposed or wv.dim() != 4:
-        return False
-    # one value for both dims, as ATen reads a list of one (F.conv2d(x, w, stride=[2]))
-    stride, padding, dilation = (list(v) * 2 if len(v) == 1 else list(v) for v in (stride, padding, dilation))
-    if wv.shape[1] == 1 and groups == wv.shape[0] == xv.shape[1]:
+    kind = native_convolution(node)
+    if kind == "depthwise":
+        stride, padding, dilation, _, _ = convolution_parameters(node)
         return lw.op(node, "depthwise_conv2d", [lw.view(val(node)), lw.view(xv), lw.view(wv), lw.arg_view(b)],
                      [*stride, *padding, *dilation])
-    if groups == 1 and tuple(wv.shape[2:]) == tuple(stride) and not any(padding) and tuple(dilation) == (1, 1):
+    if kind == "patch":
         return _lower_patch_convolution(lw, node, xv, wv, b)
     return False
 

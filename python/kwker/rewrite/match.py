@@ -70,3 +70,29 @@ def replace(graph, old: Node, target, args) -> Node:
     new.meta["val"] = old.meta["val"]
     old.replace_all_uses_with(new)
     return new
+
+
+def convolution_parameters(node: Node) -> tuple[list, list, list, bool, int]:
+    """An aten.convolution's stride, padding, dilation, transposed and groups,
+    each spatial list with one value per spatial dim of its weight (ATen reads
+    a list of one, F.conv2d(x, w, stride=[2]), as that value for every dim)."""
+    _, w, _, stride, padding, dilation, transposed, _, groups = node.args
+    dims = val(w).dim() - 2
+    return (*(list(v) * dims if len(v) == 1 else list(v) for v in (stride, padding, dilation)), transposed, groups)
+
+
+def native_convolution(node: Node) -> str | None:
+    """How kwker's plan runs an aten.convolution: "depthwise" (a 2-D one with one
+    filter a channel over channels-last memory: ConvNeXt's, not MobileNet's
+    NCHW), "patch" (a 2-D one whose kernel is its stride, unpadded: a linear
+    over its patches), or None (oneDNN's, through ATen)."""
+    x, w, y = val(node.args[0]), val(node.args[1]), val(node)
+    stride, padding, dilation, transposed, groups = convolution_parameters(node)
+    if transposed or w.dim() != 4:
+        return None
+    if w.shape[1] == 1 and groups == w.shape[0] == x.shape[1]:
+        channels_last = all(t.shape[1] == 1 or t.stride(1) == 1 for t in (x, y))
+        return "depthwise" if channels_last else None
+    if groups == 1 and tuple(w.shape[2:]) == tuple(stride) and not any(padding) and tuple(dilation) == (1, 1):
+        return "patch"
+    return None
