@@ -26,7 +26,7 @@ import operator
 import torch
 from torch.nn.utils.fusion import fuse_conv_bn_weights
 
-from kwker import _C
+from kwker import _C, weights
 from kwker.guards import in_module
 
 log = logging.getLogger(__name__)
@@ -49,6 +49,7 @@ class FrozenGraph:
         # Watched before Inductor reads them: a write during the compile is seen.
         watches = [_C.Watch(example_inputs[i]) for i in self.frozen]
         graph = _with_constants(gm, {placeholders[i]: example_inputs[i] for i in self.frozen})
+        _convolutions_in_float32(graph)
         _fold_batch_norms(graph)
         compiled = compile_fx(graph, [example_inputs[i] for i in self.kept],
                               config_patches={**inductor_patches, "freezing": True})
@@ -117,9 +118,12 @@ def _fold_batch_norms(gm: torch.fx.GraphModule) -> None:
         if bn.op != "call_function" or bn.target is not torch.nn.functional.batch_norm:
             continue
         args = dict(zip(_BATCH_NORM_PARAMETERS, bn.args), **bn.kwargs)
-        conv = args["input"]
+        conv = rounded = args["input"]
+        if _rounds_a_float32_convolution(rounded):  # the fold goes into its float32 constants
+            conv = rounded.args[0]
         if args.get("training", False) is not False or not isinstance(conv, torch.fx.Node) \
-                or conv.op != "call_function" or conv.target not in _CONVOLUTIONS or len(conv.users) != 1:
+                or conv.op != "call_function" or conv.target not in _CONVOLUTIONS or len(conv.users) != 1 \
+                or len(rounded.users) != 1:
             continue
         weight = conv.args[1] if len(conv.args) > 1 else conv.kwargs.get("weight")
         bias = conv.args[2] if len(conv.args) > 2 else conv.kwargs.get("bias")
@@ -139,13 +143,63 @@ def _fold_batch_norms(gm: torch.fx.GraphModule) -> None:
                 attrs[new[-1]] = value
         conv.args = (conv.args[0], *new, *conv.args[3:])
         conv.kwargs = {k: v for k, v in conv.kwargs.items() if k not in ("weight", "bias")}
-        bn.replace_all_uses_with(conv)
+        bn.replace_all_uses_with(rounded)
         gm.graph.erase_node(bn)
         # The constants only the fold read (not dead-code elimination: it drops in-place ops).
         for t in dict.fromkeys(tensors):
             if t is not None and not t.users:
                 gm.graph.erase_node(t)
     gm.recompile()
+
+
+def _convolutions_in_float32(gm: torch.fx.GraphModule) -> None:
+    """Each convolution of a bfloat16 input over constants that
+    weights.convolution_storage copies to float32 (oneDNN has no bf16
+    convolution for this CPU): the input widened, the constants as float32
+    copies, the output rounded back to bfloat16 (_ROUNDING). Before the batch
+    norms are folded, so that they fold into the float32 constants."""
+    attrs = {n: getattr(gm, n.target) for n in gm.graph.nodes if n.op == "get_attr"}
+    for conv in list(gm.graph.nodes):
+        if conv.op != "call_function" or conv.target not in _CONVOLUTIONS:
+            continue
+        x = conv.args[0] if conv.args else conv.kwargs.get("input")
+        weight = conv.args[1] if len(conv.args) > 1 else conv.kwargs.get("weight")
+        bias = conv.args[2] if len(conv.args) > 2 else conv.kwargs.get("bias")
+        constants = [t for t in (weight, bias) if t is not None]
+        x_value = x.meta.get("example_value") if isinstance(x, torch.fx.Node) else None
+        if any(t not in attrs for t in constants) or getattr(x_value, "dtype", None) != torch.bfloat16 \
+                or weights.convolution_storage(attrs[weight]) is None:
+            continue
+        with gm.graph.inserting_before(conv):
+            widened = gm.graph.call_method("float", (x,))
+            copies = []
+            for t in (weight, bias):
+                if t is None:
+                    copies.append(None)
+                    continue
+                name = f"kwker_float32_{len(attrs)}"
+                gm.register_buffer(name, attrs[t].detach().float())
+                copies.append(gm.graph.get_attr(name))
+                attrs[copies[-1]] = getattr(gm, name)
+        conv.args = (widened, *copies, *conv.args[3:])
+        conv.kwargs = {k: v for k, v in conv.kwargs.items() if k not in ("input", "weight", "bias")}
+        with gm.graph.inserting_after(conv):
+            rounded = gm.graph.call_method(_ROUNDING, (conv, torch.bfloat16))
+        conv.replace_all_uses_with(rounded, delete_user_cb=lambda user: user is not rounded)
+        for t in constants:
+            if not t.users:
+                gm.graph.erase_node(t)
+    gm.recompile()
+
+
+_ROUNDING = "to"  # the method that rounds a float32 convolution's output to bfloat16
+
+
+def _rounds_a_float32_convolution(node) -> bool:
+    """node is _convolutions_in_float32's rounding of a convolution's output."""
+    return isinstance(node, torch.fx.Node) and node.op == "call_method" and node.target == _ROUNDING \
+        and node.args[1:] == (torch.bfloat16,) and isinstance(node.args[0], torch.fx.Node) \
+        and node.args[0].target in _CONVOLUTIONS
 
 
 def _dims(node: torch.fx.Node) -> int | None:

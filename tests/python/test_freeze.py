@@ -10,7 +10,9 @@ import kwker
 import kwker.freeze
 import kwker.tune
 from kwker import summary
-from kwker.freeze import FrozenGraph, _fold_batch_norms, _model_tensor, _with_constants, cannot_win
+from kwker import weights
+from kwker.freeze import (FrozenGraph, _convolutions_in_float32, _fold_batch_norms, _model_tensor, _with_constants,
+                          cannot_win)
 
 pytestmark = pytest.mark.usefixtures("fresh_compile_state")
 
@@ -166,6 +168,57 @@ def test_batch_norms_after_convolutions_are_folded_into_them_before_inductor_fre
     with torch.no_grad():  # v: 3 channels of length 4, whose convolution gives 4 channels of length 4
         torch.compile(Foldable().eval(), backend=fold_and_compare)(torch.randn(2, 3, 8, 8), torch.randn(3, 4))
     assert [n.args[0].target for n in batch_norms] == [torch.conv2d, torch.nn.functional.max_pool2d, torch.conv1d]
+
+
+def test_bf16_convolutions_run_in_float32_where_onednn_has_no_bf16_convolution(monkeypatch):
+    """Where weights.convolution_storage copies a bf16 convolution's weight to
+    float32 (below AVX-512; forced here, so that every host runs the test), the
+    frozen graph's convolutions read float32 constants, with the batch norm
+    folded into them in float32, and their input widened, and round their
+    output to bf16 once: bf16 outputs within bf16 rounding of eager's, and
+    within a bf16 step of float32 arithmetic rounded where the rewrite rounds.
+    Where it does not, the convolutions are left as they are."""
+    assert (weights.convolution_storage(torch.zeros(1, dtype=torch.bfloat16)) is None) == \
+        torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    torch.manual_seed(0)
+    model = ConvBN().eval().bfloat16()
+    x = torch.randn(2, 3, 8, 8, dtype=torch.bfloat16)
+
+    def rounded_at_each_convolution(m, x):  # the batch norm folded into the first one
+        h = m.bn(m.conv(x.float())).bfloat16().float()
+        return m.head(torch.relu(h)).bfloat16()
+
+    for forced in (weights.Storage(torch.float32, 0), None):
+        monkeypatch.setattr(weights, "convolution_storage", lambda w, forced=forced: forced)
+        graphs = []
+
+        def rewrite(gm, example_inputs):
+            placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+            frozen = {n: x for n, x in zip(placeholders, example_inputs) if _model_tensor(n, x)}
+            graph = _with_constants(gm, frozen)
+            _convolutions_in_float32(graph)
+            _fold_batch_norms(graph)
+            graphs.append(graph)
+            return lambda *args: graph(*[a for n, a in zip(placeholders, args) if n not in frozen])
+
+        torch._dynamo.reset()
+        with torch.no_grad():
+            got = torch.compile(model, backend=rewrite)(x)
+            want, exact = model(x), rounded_at_each_convolution(model.float(), x)
+            model.bfloat16()
+        (graph,) = graphs
+        constants = [getattr(graph, n.target) for n in graph.graph.nodes if n.op == "get_attr"]
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+        if forced is None:
+            assert {c.dtype for c in constants} == {torch.bfloat16}
+            continue
+        # two weights and two biases, the batch norm folded into the first pair in float32
+        assert len(constants) == 4 and {c.dtype for c in constants} == {torch.float32}
+        assert not [n for n in graph.graph.nodes if n.target is torch.nn.functional.batch_norm]
+        # one rounding to bf16 at each convolution's end, none in between (a first rounding
+        # that falls the other way moves the head's sum by a few of its input's steps)
+        torch.testing.assert_close(got, exact, rtol=2 ** -7, atol=2 ** -7)
 
 
 def test_a_second_model_of_the_same_class_is_not_read_through_the_first_ones_constants():
