@@ -745,6 +745,67 @@ def test_a_patch_convolution_the_linear_rejects_is_one_fallback_step_and_no_copy
     assert steps == ["fallback"], steps
 
 
+def test_bf16_convolutions_left_to_aten_read_float32_copies_where_onednn_has_no_bf16_convolution(monkeypatch):
+    """Where weights.convolution_storage copies a bf16 convolution's weight to
+    float32 (below AVX-512; forced here, so that every host runs it), each bf16
+    convolution the plan leaves to ATen (a 3 x 3, a depthwise one over NCHW
+    memory) reads float32 copies of its weight and bias, its input widened and
+    its output rounded by native steps; a patch convolution stays kwker's bf16
+    linear. The outputs are eager's within bf16 rounding, also after a weight
+    and a bias are edited in place (the copies are packed again)."""
+    from kwker import weights
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 16, 3, padding=1), torch.nn.ReLU(),
+                              torch.nn.Conv2d(16, 16, 3, padding=1, groups=16, bias=False),
+                              torch.nn.Conv2d(16, 8, 2, stride=2)).eval().bfloat16()
+    x = torch.randn(2, 3, 12, 12, dtype=torch.bfloat16)
+    for forced in (weights.Storage(torch.float32, 0), None):
+        monkeypatch.setattr(weights, "convolution_storage", lambda w, forced=forced: forced)
+        made, tol = {}, PLAN_TOLERANCE[torch.bfloat16]
+        torch._dynamo.reset()
+        with torch.no_grad():
+            compiled = torch.compile(net, backend=plan_recording(made))
+            torch.testing.assert_close(compiled(x), net(x), **tol)
+            net[0].weight.mul_(-2.0)
+            net[0].bias.add_(1.0)
+            torch.testing.assert_close(compiled(x), net(x), **tol)
+        detail, dump = made["detail"], made["plan"].dump()
+        assert detail["fallback_ops"] == ["aten.convolution.default"] * 2, detail
+        assert ("linear" in dump or "matmul_dnnl" in dump) and "depthwise_conv2d" not in dump
+        if forced is None:
+            assert "float32_convolution" not in detail["rewrites"] and "float32[16, 1, 3, 3]" not in dump, detail
+            continue
+        assert detail["rewrites"]["float32_convolution"] == 2 and detail["copies"] == 3, detail
+        assert "float32[16, 3, 3, 3]" in dump and "float32[16, 1, 3, 3]" in dump
+
+
+def test_a_bf16_convolution_applied_twice_reads_one_float32_copy_of_its_weight(monkeypatch):
+    """One module's convolution applied twice in a step (forced float32, as
+    above): both read the same copies of its weight and bias, and an edit of
+    the weight is seen by both."""
+    from kwker import weights
+
+    class Twice(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = torch.nn.Conv2d(4, 4, 3, padding=1)
+
+        def forward(self, x):
+            return self.conv(torch.relu(self.conv(x)))
+
+    torch.manual_seed(0)
+    net, x = Twice().eval().bfloat16(), torch.randn(1, 4, 10, 10, dtype=torch.bfloat16)
+    monkeypatch.setattr(weights, "convolution_storage", lambda w: weights.Storage(torch.float32, 0))
+    made, tol = {}, PLAN_TOLERANCE[torch.bfloat16]
+    with torch.no_grad():
+        compiled = torch.compile(net, backend=plan_recording(made))
+        torch.testing.assert_close(compiled(x), net(x), **tol)
+        net.conv.weight.mul_(0.5)
+        torch.testing.assert_close(compiled(x), net(x), **tol)
+    assert made["detail"]["rewrites"]["float32_convolution"] == 2 and made["detail"]["copies"] == 2, made["detail"]
+
+
 def test_a_depthwise_convolution_over_memory_not_channels_last_stays_atens():
     """A depthwise convolution over contiguous (NCHW) memory is rejected by the
     native op and runs as ATen's, with the same result; strided, dilated and

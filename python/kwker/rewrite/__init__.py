@@ -1,7 +1,8 @@
 """FX rewrites for language models, on the ATen graph.
 
 Each pass recognises one pattern and replaces it with one kwker op (the
-written-out tanh GELU with ATen's own). They run
+written-out tanh GELU with ATen's own; a bf16 convolution oneDNN would run
+slowly with a float32 one between conversions). They run
 in a fixed order (attention before the linears, norms before the residual adds
 that feed them) and report how many places each changed.
 """
@@ -11,6 +12,7 @@ import logging
 import torch
 
 from kwker.rewrite.attention import fuse_attention
+from kwker.rewrite.convolution import convolutions_in_float32
 from kwker.rewrite.experts import rewrite_experts
 from kwker.rewrite.layer_norm import fuse_layer_norm
 from kwker.rewrite.linear import reserved_copy_bytes, rewrite_linears
@@ -31,9 +33,10 @@ def rewrite_language_model(gm: torch.fx.GraphModule, params: dict[str, torch.Ten
     """glue=False keeps the model's own norms, rotary, tanh GELU and SiLU·mul as plain ops.
     params (placeholder name -> the real parameter) is given for a graph a plan
     will replay, whose linears then read kwker's weight copies where those read
-    fewer bytes (kwker.weights), cut from arena; the plan keeps them fresh.
-    Other graphs keep their linears (and experts' grouped matmuls): nothing
-    would keep a copy fresh there.
+    fewer bytes (kwker.weights), and whose bf16 convolutions float32 copies
+    where oneDNN has no bf16 convolution, cut from arena; the plan keeps them
+    fresh. Other graphs keep their linears (and experts' grouped matmuls) and
+    convolutions: nothing would keep a copy fresh there.
     Returns how many places each pass changed, and the copies made."""
     counts = {"attention": fuse_attention(gm)}
     if glue:
@@ -48,7 +51,8 @@ def rewrite_language_model(gm: torch.fx.GraphModule, params: dict[str, torch.Ten
     if params is not None:
         counts["linear"], copies = rewrite_linears(gm, params, arena=arena)
         counts["grouped_linear"], expert_copies = rewrite_experts(gm, params, arena=arena)
-        copies += expert_copies
+        counts["float32_convolution"], convolution_copies = convolutions_in_float32(gm, params, arena=arena)
+        copies += expert_copies + convolution_copies
     gm.graph.eliminate_dead_code()
     gm.graph.lint()
     gm.recompile()
