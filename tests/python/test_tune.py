@@ -530,6 +530,38 @@ def plan_recording(made: dict):
     return backend
 
 
+def test_a_weight_read_by_several_linears_is_copied_once_for_each_way_they_read_it():
+    """One weight read by a group over one input (stacked with another), alone
+    over a second input, again alone over a third, and as [K, N] (addmm, as
+    GPT-2's Conv1D reads it): each distinct copy is made once and each call
+    reads its own (a stacked copy of q, k, v once shadowed q's alone: a plan
+    that failed to build). bf16-valued float32, one row: every read is a copy.
+    An edit of the weight is seen by every call."""
+    class Shared(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(64, 64), torch.nn.Linear(64, 32)
+
+        def forward(self, x, y, z):
+            return self.a(x), self.b(x), self.a(y), self.a(z), torch.addmm(self.a.bias, z, self.a.weight)
+
+    torch.manual_seed(0)
+    net = Shared().eval()
+    with torch.no_grad():
+        for p in net.parameters():
+            p.copy_(p.bfloat16().float())
+    args = [torch.randn(1, 64) for _ in range(3)]
+    made = {}
+    with torch.no_grad():
+        compiled = torch.compile(net, backend=plan_recording(made))
+        for _ in range(2):
+            for got, want in zip(compiled(*args), net(*args)):
+                torch.testing.assert_close(got, want, **PLAN_TOLERANCE[torch.float32])
+            net.a.weight.mul_(-0.5)
+    # a and b stacked, their biases stacked; a's weight alone; a's weight as [K, N]
+    assert made["detail"]["rewrites"]["linear"] == 5 and made["detail"]["copies"] == 4, made["detail"]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_kn_weight_like_gpt2s_conv1d_is_read_as_a_transposed_copy_by_onednn_or_kwkers_linear(dtype):
     """transformers' Conv1D computes addmm(bias, x, W) with W [K, N]: kwker

@@ -7,6 +7,7 @@ kwker.weights' decision; this pass finds the linears, groups them and puts the
 copies into the graph as attributes.
 """
 
+import itertools
 import operator
 from dataclasses import dataclass, replace
 
@@ -153,14 +154,24 @@ def _rewrite_group(gm, group: list[_Linear], params, storage: weights.Storage, a
 
 
 def copy_node(gm, sources: list[torch.fx.Node], params, storage: weights.Storage, arena, copies) -> torch.fx.Node:
-    """A get_attr of the sources' copy (also kwker.rewrite.experts'). Its fake
-    value is the copy as the op reads it, the sources stacked along their first
-    dim ([N, K] for linears); a K-blocked copy's real layout is in its CopiedWeight."""
-    attr = f"kwker_copy_of_{sources[0].name}"  # the same in every plan of the graph (a kept copy keeps its name)
-    copy = weights.make_copy(attr, [s.name for s in sources], [params[s.name] for s in sources], storage, arena)
-    copies.append(copy)
-    gm.register_buffer(attr, copy.copy)
-    node = gm.graph.get_attr(attr)
+    """A get_attr of the sources' copy (also kwker.rewrite.experts' and
+    .convolution's), made once however many calls read it (one linear applied
+    to two inputs). Its fake value is the copy as the op reads it, the sources
+    stacked along their first dim ([N, K] for linears); a K-blocked copy's real
+    layout is in its CopiedWeight."""
+    names = [s.name for s in sources]
+    made = next((c for c in copies if c.sources == names and c.storage == storage), None)
+    if made is None:
+        # named by all its sources, the same in every plan of the graph (a kept copy keeps its
+        # name), apart from one that starts with the same source (q's alone and stacked with k, v)
+        # or holds the same sources another way (a weight read as [K, N] and as [N, K])
+        base = "kwker_copy_of_" + "_".join(names)
+        attr = next(a for a in itertools.chain([base], (f"{base}_{i}" for i in itertools.count(1)))
+                    if not hasattr(gm, a))
+        made = weights.make_copy(attr, names, [params[n] for n in names], storage, arena)
+        copies.append(made)
+        gm.register_buffer(attr, made.copy)
+    node = gm.graph.get_attr(made.attr)
     with val(sources[0]).fake_mode:  # made fresh: converting the real tensor took 1-4 ms each
         as_read = weights.copy_shape([val(s) for s in sources], replace(storage, block=0))
         node.meta["val"] = torch.empty(as_read, dtype=storage.dtype)
