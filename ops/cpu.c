@@ -101,18 +101,36 @@ static int is_intel(void) {
  * 512 B mixed, 1536 B 5-9 % slower, 2 and 4 KiB 15-20 % slower. f32 weights
  * lost 4-12 % with 1 KiB. With several rows of x 1 KiB beat 4 KiB there too
  * (SmolLM2-360M's shapes, 46 GB/s): bf16 weights at 2, 4, 5 and 8 rows 25-29,
- * 6-9, 8-10 and 4-8 % faster, f32 weights at 2, 4 and 5 rows 15-17 %. */
-int64_t kw_cpu_prefetch_bytes(int64_t rows, kw_dtype weights) {
-    static int64_t from_env = -2, intel = -1; /* from_env -1: not set; benign races, as in kw_cpu_isa */
-    if (from_env == -2) {
-        const char *env = getenv("KWKER_PREFETCH");
-        char *end;
-        const long long v = env ? strtoll(env, &end, 10) : -1;
-        from_env = env && *env && !*end && v >= 0 && v <= (1 << 20) ? v : -1;
-    }
-    if (from_env >= 0) return from_env;
+ * 6-9, 8-10 and 4-8 % faster, f32 weights at 2, 4 and 5 rows 15-17 %.
+ * Into which cache: on a 2-vCPU Intel Xeon (family 6 model 207, AMX, 23-34
+ * GB/s read) prefetching into L2 only (prefetcht2) read the GEMV's weights at
+ * 0.85 / 0.87 / 0.94 of the read loop (bf16 weights with f32 x, with bf16 x;
+ * f32 weights; medians of 6 alternations, KWKER_PREFETCH_L2 1 and 0 in turn)
+ * against 0.78 / 0.80 / 0.88 into L1 (prefetcht0), whose fill buffers the
+ * demand loads need too; 8 KiB ahead did the same as 4, 16 and 32 KiB worse.
+ * Other vendors keep L1, as measured there. */
+/* A setting's value from the environment, -1 when unset or not an integer in [0, max]. */
+static int64_t env_setting(const char *name, int64_t max) {
+    const char *env = getenv(name);
+    char *end;
+    const long long v = env ? strtoll(env, &end, 10) : -1;
+    return env && *env && !*end && v >= 0 && v <= max ? v : -1;
+}
+
+kw_prefetch kw_cpu_prefetch(int64_t rows, kw_dtype weights) {
+    /* -2: not read yet, -1: not set; benign races, as in kw_cpu_isa */
+    static int64_t bytes_env = -2, l2_env = -2, intel = -1;
+    if (bytes_env == -2) bytes_env = env_setting("KWKER_PREFETCH", 1 << 20);
+    if (l2_env == -2) l2_env = env_setting("KWKER_PREFETCH_L2", 1);
     if (intel < 0) intel = is_intel();
-    if (intel) return 4096;
-    if (kw_cpu_isa() < KW_ISA_AVX512) return rows > 1 || weights == KW_BF16 ? 1024 : 0;
-    return rows > 1 ? 4096 : 0;
+    int64_t bytes;
+    if (bytes_env >= 0)
+        bytes = bytes_env;
+    else if (intel)
+        bytes = 4096;
+    else if (kw_cpu_isa() < KW_ISA_AVX512)
+        bytes = rows > 1 || weights == KW_BF16 ? 1024 : 0;
+    else
+        bytes = rows > 1 ? 4096 : 0;
+    return (kw_prefetch){bytes, (int)(l2_env >= 0 ? l2_env : intel)};
 }

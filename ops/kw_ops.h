@@ -27,11 +27,16 @@ typedef enum kw_isa {
 kw_isa kw_cpu_isa(void);
 const char *kw_isa_name(kw_isa isa);
 
-/* How far ahead (bytes) the linear kernels prefetch the weight stream in software
- * for `rows` rows of x over weights of that dtype, 0 for none:
- * KWKER_PREFETCH=<bytes> when set, else by vendor, rows, dtype and ISA (cpu.c
- * says why). */
-int64_t kw_cpu_prefetch_bytes(int64_t rows, kw_dtype weights);
+/* How the linear kernels prefetch the weight stream in software for `rows` rows
+ * of x over weights of that dtype: how far ahead (bytes, 0 for none;
+ * KWKER_PREFETCH=<bytes> when set, else by vendor, rows, dtype and ISA) and
+ * into L2 only (prefetcht2) or L1 too (prefetcht0; KWKER_PREFETCH_L2=1 or 0
+ * when set, else L2 on Intel). cpu.c says why. */
+typedef struct kw_prefetch {
+    int64_t bytes;
+    int to_l2;
+} kw_prefetch;
+kw_prefetch kw_cpu_prefetch(int64_t rows, kw_dtype weights);
 
 typedef enum kw_op_id {
 #define KW_OP(id, name) KW_OP_##id,

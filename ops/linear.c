@@ -83,7 +83,7 @@ int kw__lin_prepare(const kw_call *c, const char *op, int n_out, kw_isa isa, kw_
     g->wbs = blocked ? w->stride[0] : 0;
     g->kblk = kblk;
     g->wt = w->dtype;
-    g->pf = kw_cpu_prefetch_bytes(g->M, g->wt);
+    g->pf = kw_cpu_prefetch(g->M, g->wt);
 
     if (kw__present(b)) {
         if (!kw__is_float(b->dtype) || b->ndim != 1 || b->shape[0] != g->n_total)
@@ -299,7 +299,7 @@ static void grouped_linear_kernel(const kw_call *c, int ith, int nth) {
                 g.M = start[a + 1] - start[a];
                 g.w = w + (size_t)(expert[a] * p->es) * wsz;
                 g.out[0].y = y + (size_t)(start[a] * g.out[0].ys) * xsz;
-                g.pf = kw_cpu_prefetch_bytes(g.M, g.wt);
+                g.pf = kw_cpu_prefetch(g.M, g.wt);
                 g.panels = p->lin.panels && g.M >= KW__PANELS_MIN_M;
                 g.acts(&g, work);
                 laid_out = a;

@@ -38,7 +38,7 @@ struct kw__lin {
     const char *w;
     int64_t ws, wbs, kblk, n_total;
     kw_dtype wt;
-    int64_t pf; /* software prefetch distance along the weights, bytes (kw_cpu_prefetch_bytes of M and wt) */
+    kw_prefetch pf; /* the weight stream's software prefetch (kw_cpu_prefetch of M and wt) */
     const char *b; /* bias [n_total], NULL when absent */
     int64_t bs;
     kw_dtype bt;

@@ -19,7 +19,7 @@
  * (0.5, two streams) and software prefetch (0.6), so the tiles let the hardware
  * prefetchers follow one sequential stream. Intel's prefetchers alone keep too
  * few lines in flight on that stream, so there each weight line is also
- * prefetched pf bytes ahead (kw_cpu_prefetch_bytes; on other CPUs only where
+ * prefetched pf.bytes ahead (kw_cpu_prefetch; on other CPUs only where
  * each line takes longer to consume: several rows of x, or bf16 weights on
  * AVX2; cpu.c has the distances).
  *
@@ -35,12 +35,16 @@
 /* A run: the dot products of nrows consecutive weight rows (wb bytes apart) with
  * MB activation rows (xs elements apart), into out[r·MB + m]; pf as in kw__lin. */
 typedef void (*kw__run_fn)(const void *x, int64_t xs, int64_t K, const char *w, int64_t wb, int64_t nrows,
-                           int64_t pf, float *out);
+                           kw_prefetch pf, float *out);
 
-/* Asks for the weight line pf bytes past p (which runs on into the next rows:
- * a run's rows are contiguous). A hint: it never faults, even past the end. */
-static inline __attribute__((always_inline)) void prefetch_ahead(const void *p, int64_t pf) {
-    if (pf) _mm_prefetch((const char *)p + pf, _MM_HINT_T0);
+/* Asks for the weight line pf.bytes past p (which runs on into the next rows:
+ * a run's rows are contiguous), into L2 only or L1 too (pf.to_l2). A hint: it
+ * never faults, even past the end. */
+static inline __attribute__((always_inline)) void prefetch_ahead(const void *p, kw_prefetch pf) {
+    if (pf.bytes && pf.to_l2)
+        _mm_prefetch((const char *)p + pf.bytes, _MM_HINT_T2);
+    else if (pf.bytes)
+        _mm_prefetch((const char *)p + pf.bytes, _MM_HINT_T0);
 }
 
 /* MB (and U) are constants at every call site (the run wrappers below), so the
@@ -54,7 +58,7 @@ static inline __attribute__((always_inline)) void prefetch_ahead(const void *p, 
  * bf16 step 29 ms, where oneDNN took 60 (kw_ops.h). 8 rows of f32 (30 KiB) made
  * 8-row steps 58 ms against 46 with tiles of 4 while the weights had no
  * software prefetch for several rows, and 41.6 against 46.4 (41.3 / 48.7 in a
- * second run) with it (kw_cpu_prefetch_bytes). */
+ * second run) with it (kw_cpu_prefetch). */
 #if KW_VW == 16
 #define KW__MB_MAX 8
 #else
@@ -90,7 +94,7 @@ static inline __attribute__((always_inline)) void prefetch_ahead(const void *p, 
 
 /* f32 weights: U chains per activation row, at most two weight loads per step. */
 static inline __attribute__((always_inline)) void tile_f32(const float *x, int64_t xs, int64_t K, const float *w,
-                                                           int64_t pf, float *out, const int MB, const int U) {
+                                                           kw_prefetch pf, float *out, const int MB, const int U) {
     kw_v acc[2][KW__MB_MAX];
     for (int u = 0; u < U; u++)
         for (int m = 0; m < MB; m++) acc[u][m] = kw_v_zero();
@@ -129,7 +133,7 @@ static inline __attribute__((always_inline)) void pairs_step(kw_vpair wv, const 
  * mask (two loads of one line): a single load feeding both read at 0.55 of the
  * read loop against 0.91. */
 static inline __attribute__((always_inline)) void tile_pairs(const float *x, int64_t xs, int64_t K, const uint16_t *w,
-                                                             int64_t pf, float *out, const int MB, const int U) {
+                                                             kw_prefetch pf, float *out, const int MB, const int U) {
     kw_v even[2][KW__MB_MAX], odd[2][KW__MB_MAX];
     for (int u = 0; u < U; u++)
         for (int m = 0; m < MB; m++) even[u][m] = odd[u][m] = kw_v_zero();
@@ -155,7 +159,7 @@ static inline __attribute__((always_inline)) void tile_pairs(const float *x, int
  * row's lines are prefetched a tile (three rows) ahead, where the next tile
  * reads them, when the call prefetches at all (pf). */
 static inline __attribute__((always_inline)) void pairs3_step(const uint16_t *w, int64_t wn, int64_t k, int64_t n,
-                                                              int64_t pf, const float *x, int64_t xs,
+                                                              kw_prefetch pf, const float *x, int64_t xs,
                                                               kw_v acc[3][KW__MB_MAX], const int MB) {
     kw_v we[3], wo[3];
     for (int r = 0; r < 3; r++) {
@@ -171,11 +175,11 @@ static inline __attribute__((always_inline)) void pairs3_step(const uint16_t *w,
 
 /* Weight rows w, w + wn, w + 2·wn (wn elements apart), into out[r·MB + m]. */
 static inline __attribute__((always_inline)) void tile_pairs3(const float *x, int64_t xs, int64_t K, const uint16_t *w,
-                                                              int64_t wn, int64_t pf, float *out, const int MB) {
+                                                              int64_t wn, kw_prefetch pf, float *out, const int MB) {
     kw_v acc[3][KW__MB_MAX];
     for (int r = 0; r < 3; r++)
         for (int m = 0; m < MB; m++) acc[r][m] = kw_v_zero();
-    const int64_t ahead = pf ? 3 * wn * (int64_t)sizeof(uint16_t) : 0;
+    const kw_prefetch ahead = {pf.bytes ? 3 * wn * (int64_t)sizeof(uint16_t) : 0, pf.to_l2};
     int64_t k = 0;
     for (; k + 2 * KW_VW <= K; k += 2 * KW_VW) pairs3_step(w, wn, k, 2 * KW_VW, ahead, x, xs, acc, MB);
     if (k < K) pairs3_step(w, wn, k, K - k, ahead, x, xs, acc, MB);
@@ -186,7 +190,7 @@ static inline __attribute__((always_inline)) void tile_pairs3(const float *x, in
 /* run_<family>_<MB>: KW__TILE_<family>(MB) over nrows rows; runs_<family>[MB - 1]. */
 #define KW__RUN(family, MB)                                                                                 \
     static void run_##family##_##MB(const void *x, int64_t xs, int64_t K, const char *w, int64_t wb,         \
-                                    int64_t nrows, int64_t pf, float *out) {                                 \
+                                    int64_t nrows, kw_prefetch pf, float *out) {                                 \
         for (int64_t r = 0; r < nrows; r++) KW__TILE_##family(MB);                                           \
     }
 #if KW__MB_MAX == 8
@@ -227,7 +231,7 @@ KW__RUNS(pairs3)
 /* bf16 activations with bf16 weights: vdpbf16ps multiplies bf16 pairs exactly and
  * accumulates in f32 (flushing denormals), 32 products per instruction. */
 static inline __attribute__((always_inline)) void tile_dp(const uint16_t *x, int64_t xs, int64_t K,
-                                                          const uint16_t *w, int64_t pf, float *out, const int MB,
+                                                          const uint16_t *w, kw_prefetch pf, float *out, const int MB,
                                                           const int U) {
     __m512 acc[2][KW__MB_MAX];
     for (int u = 0; u < U; u++)
@@ -260,7 +264,7 @@ static inline __attribute__((always_inline)) __m512bh load_bf16_32(const uint16_
 
 /* The wide tile of tile_dp, as tile_pairs3 is of tile_pairs. */
 static inline __attribute__((always_inline)) void dp3_step(const uint16_t *w, int64_t wn, int64_t k, __mmask32 mask,
-                                                           int64_t pf, const uint16_t *x, int64_t xs,
+                                                           kw_prefetch pf, const uint16_t *x, int64_t xs,
                                                            __m512 acc[3][KW__MB_MAX], const int MB, const int full) {
     __m512bh wv[3];
     for (int r = 0; r < 3; r++) {
@@ -274,11 +278,11 @@ static inline __attribute__((always_inline)) void dp3_step(const uint16_t *w, in
 }
 
 static inline __attribute__((always_inline)) void tile_dp3(const uint16_t *x, int64_t xs, int64_t K, const uint16_t *w,
-                                                           int64_t wn, int64_t pf, float *out, const int MB) {
+                                                           int64_t wn, kw_prefetch pf, float *out, const int MB) {
     __m512 acc[3][KW__MB_MAX];
     for (int r = 0; r < 3; r++)
         for (int m = 0; m < MB; m++) acc[r][m] = _mm512_setzero_ps();
-    const int64_t ahead = pf ? 3 * wn * (int64_t)sizeof(uint16_t) : 0;
+    const kw_prefetch ahead = {pf.bytes ? 3 * wn * (int64_t)sizeof(uint16_t) : 0, pf.to_l2};
     int64_t k = 0;
     for (; k + 32 <= K; k += 32) dp3_step(w, wn, k, 0, ahead, x, xs, acc, MB, 1);
     if (k < K) dp3_step(w, wn, k, (__mmask32)((1u << (K - k)) - 1), ahead, x, xs, acc, MB, 0);

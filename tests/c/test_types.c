@@ -53,11 +53,19 @@ Test(cpu, prefetch_distance_by_vendor_rows_dtype_and_isa) {
     __builtin_cpu_init();
     const int intel = __builtin_cpu_is("intel"), below_avx512 = kw_cpu_isa() < KW_ISA_AVX512;
     const int64_t several = intel ? 4096 : below_avx512 ? 1024 : 4096;
-    cr_expect_eq(kw_cpu_prefetch_bytes(1, KW_F32), intel ? 4096 : 0, "one row of f32 weights: Intel only");
-    cr_expect_eq(kw_cpu_prefetch_bytes(1, KW_BF16), intel ? 4096 : below_avx512 ? 1024 : 0,
+    cr_expect_eq(kw_cpu_prefetch(1, KW_F32).bytes, intel ? 4096 : 0, "one row of f32 weights: Intel only");
+    cr_expect_eq(kw_cpu_prefetch(1, KW_BF16).bytes, intel ? 4096 : below_avx512 ? 1024 : 0,
                  "one row of bf16 weights: Intel, and 1 KiB below AVX-512");
-    cr_expect_eq(kw_cpu_prefetch_bytes(5, KW_F32), several, "several rows: every CPU");
-    cr_expect_eq(kw_cpu_prefetch_bytes(5, KW_BF16), several, "several rows: every CPU");
+    cr_expect_eq(kw_cpu_prefetch(5, KW_F32).bytes, several, "several rows: every CPU");
+    cr_expect_eq(kw_cpu_prefetch(5, KW_BF16).bytes, several, "several rows: every CPU");
+}
+
+Test(cpu, prefetch_into_l2_only_on_intel) {
+    unsetenv("KWKER_PREFETCH_L2");
+    __builtin_cpu_init();
+    const int intel = __builtin_cpu_is("intel");
+    cr_expect_eq(kw_cpu_prefetch(1, KW_BF16).to_l2, intel);
+    cr_expect_eq(kw_cpu_prefetch(8, KW_F32).to_l2, intel);
 }
 
 /* The ISA cap (KWKER_ISA) decides which kernels run, and so the distance. */
@@ -66,13 +74,24 @@ Test(cpu, prefetch_distance_follows_the_isa_cap) {
     setenv("KWKER_ISA", "avx2", 1);
     __builtin_cpu_init();
     const int intel = __builtin_cpu_is("intel");
-    cr_expect_eq(kw_cpu_prefetch_bytes(1, KW_BF16), intel ? 4096 : 1024);
-    cr_expect_eq(kw_cpu_prefetch_bytes(1, KW_F32), intel ? 4096 : 0);
-    cr_expect_eq(kw_cpu_prefetch_bytes(2, KW_F32), intel ? 4096 : 1024);
+    cr_expect_eq(kw_cpu_prefetch(1, KW_BF16).bytes, intel ? 4096 : 1024);
+    cr_expect_eq(kw_cpu_prefetch(1, KW_F32).bytes, intel ? 4096 : 0);
+    cr_expect_eq(kw_cpu_prefetch(2, KW_F32).bytes, intel ? 4096 : 1024);
 }
 
 Test(cpu, prefetch_distance_from_the_environment_for_every_row_count) {
     setenv("KWKER_PREFETCH", "1024", 1);
-    cr_expect_eq(kw_cpu_prefetch_bytes(1, KW_F32), 1024);
-    cr_expect_eq(kw_cpu_prefetch_bytes(8, KW_BF16), 1024);
+    cr_expect_eq(kw_cpu_prefetch(1, KW_F32).bytes, 1024);
+    cr_expect_eq(kw_cpu_prefetch(8, KW_BF16).bytes, 1024);
+}
+
+Test(cpu, prefetch_cache_level_from_the_environment) {
+    setenv("KWKER_PREFETCH_L2", "0", 1);
+    cr_expect_eq(kw_cpu_prefetch(1, KW_BF16).to_l2, 0);
+}
+
+Test(cpu, prefetch_cache_level_not_0_or_1_in_the_environment_is_ignored) {
+    setenv("KWKER_PREFETCH_L2", "yes", 1);
+    __builtin_cpu_init();
+    cr_expect_eq(kw_cpu_prefetch(1, KW_BF16).to_l2, __builtin_cpu_is("intel"));
 }
