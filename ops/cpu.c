@@ -80,6 +80,14 @@ static int is_intel(void) {
     return __get_cpuid(0, &a, &b, &c, &d) && b == 0x756e6547 && d == 0x49656e69 && c == 0x6c65746e; /* "GenuineIntel" */
 }
 
+/* A setting's value from the environment, -1 when unset or not an integer in [0, max]. */
+static int64_t env_setting(const char *name, int64_t max) {
+    const char *env = getenv(name);
+    char *end;
+    const long long v = env ? strtoll(env, &end, 10) : -1;
+    return env && *env && !*end && v >= 0 && v <= max ? v : -1;
+}
+
 /* Streaming weights row after row, one core keeps only so many lines in flight
  * on the hardware prefetchers alone. Measured with bench/ops_bench.c (GEMV over
  * 1.1 GB of Llama-3.2-1B-shaped bf16 weights, 2 threads): on a 2-vCPU Intel Xeon
@@ -109,14 +117,6 @@ static int is_intel(void) {
  * against 0.78 / 0.80 / 0.88 into L1 (prefetcht0), whose fill buffers the
  * demand loads need too; 8 KiB ahead did the same as 4, 16 and 32 KiB worse.
  * Other vendors keep L1, as measured there. */
-/* A setting's value from the environment, -1 when unset or not an integer in [0, max]. */
-static int64_t env_setting(const char *name, int64_t max) {
-    const char *env = getenv(name);
-    char *end;
-    const long long v = env ? strtoll(env, &end, 10) : -1;
-    return env && *env && !*end && v >= 0 && v <= max ? v : -1;
-}
-
 kw_prefetch kw_cpu_prefetch(int64_t rows, kw_dtype weights) {
     /* -2: not read yet, -1: not set; benign races, as in kw_cpu_isa */
     static int64_t bytes_env = -2, l2_env = -2, intel = -1;
