@@ -125,8 +125,7 @@ def _fold_batch_norms(gm: torch.fx.GraphModule) -> None:
                 or conv.op != "call_function" or conv.target not in _CONVOLUTIONS or len(conv.users) != 1 \
                 or len(rounded.users) != 1:
             continue
-        weight = conv.args[1] if len(conv.args) > 1 else conv.kwargs.get("weight")
-        bias = conv.args[2] if len(conv.args) > 2 else conv.kwargs.get("bias")
+        _, weight, bias = _convolution_operands(conv)
         tensors = [weight, bias, args["running_mean"], args["running_var"], args.get("weight"), args.get("bias")]
         if any(t is not None and t not in attrs for t in tensors) or weight is None or tensors[2] is None \
                 or tensors[3] is None or _dims(conv) != attrs[weight].dim():
@@ -162,9 +161,7 @@ def _convolutions_in_float32(gm: torch.fx.GraphModule) -> None:
     for conv in list(gm.graph.nodes):
         if conv.op != "call_function" or conv.target not in _CONVOLUTIONS:
             continue
-        x = conv.args[0] if conv.args else conv.kwargs.get("input")
-        weight = conv.args[1] if len(conv.args) > 1 else conv.kwargs.get("weight")
-        bias = conv.args[2] if len(conv.args) > 2 else conv.kwargs.get("bias")
+        x, weight, bias = _convolution_operands(conv)
         constants = [t for t in (weight, bias) if t is not None]
         x_value = x.meta.get("example_value") if isinstance(x, torch.fx.Node) else None
         if any(t not in attrs for t in constants) or getattr(x_value, "dtype", None) != torch.bfloat16 \
@@ -190,6 +187,13 @@ def _convolutions_in_float32(gm: torch.fx.GraphModule) -> None:
             if not t.users:
                 gm.graph.erase_node(t)
     gm.recompile()
+
+
+def _convolution_operands(conv: torch.fx.Node) -> tuple:
+    """A torch convolution call's input, weight and bias, each given by position
+    or by keyword (None where absent)."""
+    return tuple(conv.args[i] if len(conv.args) > i else conv.kwargs.get(name)
+                 for i, name in enumerate(("input", "weight", "bias")))
 
 
 _ROUNDING = "to"  # the method that rounds a float32 convolution's output to bfloat16

@@ -152,17 +152,22 @@ class Foldable(torch.nn.Module):
         return e, f, self.bn_u(torch.nn.functional.conv1d(v, self.w_u))
 
 
+def with_model_constants(gm, example_inputs):
+    """Dynamo's graph with the model's tensors as constants, as FrozenGraph
+    makes it, and what picks the arguments it still takes from a call's."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    frozen = {n: x for n, x in zip(placeholders, example_inputs) if _model_tensor(n, x)}
+    return _with_constants(gm, frozen), lambda args: [a for n, a in zip(placeholders, args) if n not in frozen]
+
+
 def test_batch_norms_after_convolutions_are_folded_into_them_before_inductor_freezes():
     batch_norms = []
 
     def fold_and_compare(gm, example_inputs):
-        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-        frozen = {n: x for n, x in zip(placeholders, example_inputs) if _model_tensor(n, x)}
-        graph = _with_constants(gm, frozen)
+        graph, kept = with_model_constants(gm, example_inputs)
         _fold_batch_norms(graph)
         batch_norms.extend(n for n in graph.graph.nodes if n.target is torch.nn.functional.batch_norm)
-        kept = [x for n, x in zip(placeholders, example_inputs) if n not in frozen]
-        torch.testing.assert_close(graph(*kept), gm(*example_inputs), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(graph(*kept(example_inputs)), gm(*example_inputs), rtol=1e-5, atol=1e-5)
         return gm
 
     with torch.no_grad():  # v: 3 channels of length 4, whose convolution gives 4 channels of length 4
@@ -193,13 +198,11 @@ def test_bf16_convolutions_run_in_float32_where_onednn_has_no_bf16_convolution(m
         graphs = []
 
         def rewrite(gm, example_inputs):
-            placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-            frozen = {n: x for n, x in zip(placeholders, example_inputs) if _model_tensor(n, x)}
-            graph = _with_constants(gm, frozen)
+            graph, kept = with_model_constants(gm, example_inputs)
             _convolutions_in_float32(graph)
             _fold_batch_norms(graph)
             graphs.append(graph)
-            return lambda *args: graph(*[a for n, a in zip(placeholders, args) if n not in frozen])
+            return lambda *args: graph(*kept(args))
 
         torch._dynamo.reset()
         with torch.no_grad():
