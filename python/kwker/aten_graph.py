@@ -33,14 +33,3 @@ def trace_to_aten(gm: torch.fx.GraphModule, example_inputs) -> torch.fx.GraphMod
             return make_fx(gm, tracing_mode="real", _disable_torch_fn_metadata_mode=True)(*fake_inputs)
         except Exception as e:  # noqa: BLE001 - any failure of the trace: the graph is not kwker's to replay
             raise NotLowerable(f"kwker's ATen trace failed ({type(e).__name__}: {e})") from e
-
-
-def op_arguments(node: torch.fx.Node) -> dict:
-    """An op node's arguments by their schema's names, positional and keyword
-    alike, with the schema's defaults for those not given; empty for a node
-    without a schema."""
-    schema = getattr(node.target, "_schema", None)
-    if schema is None:
-        return {}
-    defaults = {a.name: a.default_value for a in schema.arguments if a.has_default_value()}
-    return defaults | dict(zip((a.name for a in schema.arguments), node.args)) | node.kwargs

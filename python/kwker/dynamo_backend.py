@@ -8,13 +8,14 @@ import time
 import torch
 
 from kwker import choices, guards, summary
-from kwker.aten_graph import op_arguments, trace_to_aten
+from kwker.aten_graph import trace_to_aten
 from kwker.decode import compile_decode_step
 from kwker.freeze import FrozenGraph, cannot_win, worth_freezing
 from kwker.lower import NotLowerable, first_over_storage
 from kwker.options import KwkerOptions, parse_options
 from kwker.plan import compile_plan, inputs_written, reserve_weights
 from kwker.rewrite import rewrite_language_model
+from kwker.rewrite.match import draws_random_numbers
 from kwker.routing import route_graph, size_inputs, unfit_for_kernels
 from kwker.threads import warn_once_if_openmp_spins
 from kwker.tune import TRAINING_TOLERANCE, FirstCallServed, choose, forward_and_backward
@@ -182,13 +183,6 @@ def tune_training(gm: torch.fx.GraphModule, example_inputs, opts: KwkerOptions):
                     written=written, tolerance=TRAINING_TOLERANCE)
     choices.remember(key, choices.Record(choice.name, None, choice.ms))
     return "training", choice.fn, {"candidates": choice.ms, "choice": choice.name, "left_out": choice.left_out}
-
-
-def draws_random_numbers(node: torch.fx.Node) -> bool:
-    """An op PyTorch tags as seeded from the random generator, other than an
-    attention whose dropout_p is 0 (tagged for its dropout, it draws nothing)."""
-    return torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ()) and \
-        op_arguments(node).get("dropout_p") != 0.0
 
 
 # The most bytes of written inputs that tuning keeps a copy of, to put back after each run.

@@ -15,9 +15,10 @@ from collections.abc import Callable
 
 import torch
 
-from kwker.aten_graph import op_arguments, trace_to_aten
+from kwker.aten_graph import trace_to_aten
 from kwker.lower import NotLowerable, lower_to_plan, storage_key
 from kwker.rewrite import reserved_copy_bytes, rewrite_language_model
+from kwker.rewrite.match import op_arguments
 from kwker.weights import CopiedWeights, WeightArena
 
 aten = torch.ops.aten

@@ -221,6 +221,47 @@ def test_a_value_folded_at_compile_time_is_returned_fresh_by_every_call():
     assert first[1].data_ptr() != second[1].data_ptr()
 
 
+class _Noise(torch.nn.Module):
+    def forward(self, x):
+        return x + 2.0 * torch.randn(x.shape)  # drawn from a shape alone: every input of randn is a constant
+
+
+def test_random_numbers_are_drawn_at_every_call_as_eager_draws_them():
+    """An op that draws from the generator is never folded at compile time,
+    which had added one draw to every call."""
+    from kwker.aten_graph import trace_to_aten
+    from kwker.lower import lower_to_plan
+
+    module, x = _Noise(), torch.zeros(4)
+    plan, report = lower_to_plan(trace_to_aten(module, [x]), [x], [])
+    assert "aten.randn.default" in report.fallback_ops
+    torch.manual_seed(0)
+    first, second = plan(x)[0].clone(), plan(x)[0].clone()
+    torch.manual_seed(0)
+    assert torch.equal(first, module(x)) and torch.equal(second, module(x))
+    assert not torch.equal(first, second)
+
+
+def test_a_decode_step_that_adds_noise_gives_eagers_tokens_and_logits():
+    import types
+
+    model = small_model("llama")
+    mlp = model.model.layers[0].mlp
+    forward = type(mlp).forward
+    mlp.forward = types.MethodType(lambda self, x: forward(self, x) + torch.randn(x.shape, dtype=x.dtype), mlp)
+
+    def run(config):
+        torch.manual_seed(0)
+        return model.generate(PROMPT, max_new_tokens=8, do_sample=False, cache_implementation="static",
+                              compile_config=config, return_dict_in_generate=True, output_logits=True)
+
+    want, got = run(None), run(kwker.compile_config())
+    assert kinds() == ["decode-replay"]
+    assert got.sequences.tolist() == want.sequences.tolist()
+    for a, b in zip(got.logits, want.logits):
+        torch.testing.assert_close(a, b)
+
+
 def _recorded_plan(made: dict):
     from kwker.plan import compile_plan
 

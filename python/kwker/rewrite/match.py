@@ -1,4 +1,4 @@
-"""Small predicates the rewrites use to read an ATen graph."""
+"""Small predicates the rewrites and the lowering use to read an ATen graph."""
 
 import torch
 from torch.fx import Node
@@ -12,6 +12,25 @@ def is_call(node, *targets) -> bool:
 
 def val(node: Node) -> torch.Tensor:
     return node.meta["val"]
+
+
+def op_arguments(node: torch.fx.Node) -> dict:
+    """An op node's arguments by their schema's names, positional and keyword
+    alike, with the schema's defaults for those not given; empty for a node
+    without a schema."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return {}
+    defaults = {a.name: a.default_value for a in schema.arguments if a.has_default_value()}
+    return defaults | dict(zip((a.name for a in schema.arguments), node.args)) | node.kwargs
+
+
+def draws_random_numbers(node: Node) -> bool:
+    """An op PyTorch tags as seeded from the random generator, other than an
+    attention whose dropout_p is 0 (tagged for its dropout, it draws nothing):
+    never timed against another candidate, never folded into a constant."""
+    return torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ()) and \
+        op_arguments(node).get("dropout_p") != 0.0
 
 
 def fuse_each(gm: torch.fx.GraphModule, targets: tuple, fuse_one) -> int:
