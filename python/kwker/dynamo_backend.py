@@ -156,8 +156,8 @@ def tune_training(gm: torch.fx.GraphModule, example_inputs, opts: KwkerOptions):
     fastest kept. kwker's own ops have no backward formulas: no plan here. A
     graph with random ops goes to Inductor untimed (Inductor draws its own
     random numbers, so no two candidates' outputs could be compared), and so
-    does one that writes an input requiring grad (autograd would record every
-    timing run's write) or whose inputs have gradient hooks (the timing's
+    does one that writes an input requiring grad or a view (autograd would
+    record every timing run's write) or whose inputs have gradient hooks (the timing's
     backward passes would call them). A choice remembered from an earlier
     tuning of this graph is built alone (kwker.choices)."""
     def build_inductor():
@@ -175,6 +175,8 @@ def tune_training(gm: torch.fx.GraphModule, example_inputs, opts: KwkerOptions):
         aten_gm, written, why_not = traced(gm, example_inputs)
     if why_not is None and any(x.requires_grad for x in written):  # its value put back, not its autograd history
         why_not = "a training graph that writes an input requiring grad: run once, not timed"
+    if why_not is None and any(x._base is not None for x in written):  # a view's history is not shed in place
+        why_not = "a training graph that writes a view of a tensor: run once, not timed"
     if why_not is None and any(isinstance(x, torch.Tensor) and x._backward_hooks for x in example_inputs):
         why_not = "a training graph whose inputs have gradient hooks, which timing runs would call: not timed"
     if why_not:

@@ -149,10 +149,12 @@ def call(fn: Callable, inputs: list):
 def forward_and_backward(fn: Callable, inputs: list) -> list:
     """A training graph's run: its outputs, then the gradients of the sum of
     the outputs that require grad with respect to each input that requires grad,
-    through torch.autograd.grad (no .grad field is written)."""
+    through torch.autograd.grad (no .grad field is written). The inputs are
+    those that require grad before the run: one it writes a value requiring
+    grad into requires it after."""
+    leaves = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
     outputs = _flat_tensors(fn(*inputs))
     roots = [t for t in outputs if isinstance(t, torch.Tensor) and t.requires_grad]
-    leaves = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
     grads = torch.autograd.grad(roots, leaves, [torch.ones_like(t) for t in roots], allow_unused=True) \
         if roots and leaves else ()
     return [t.detach() if isinstance(t, torch.Tensor) else t for t in outputs] + list(grads)
@@ -182,15 +184,21 @@ def choose(builders: dict[str, Callable[[], Callable]], inputs: list, reference:
     built) is run once more, as the first round of timing (a first run pays
     one-off costs: Inductor's has measured 20-80x its later calls on small
     graphs)."""
-    saved = [(x, x.detach().clone()) for x in written]
+    # Each with whether it had autograd history: a training graph's write of a value that requires
+    # grad (a cache written from a parameter's product) gives the input history, which a put-back
+    # value must not keep (the next run's backward would go through the freed graph); tune_training
+    # keeps views, which cannot shed it in place, and inputs requiring grad out of timing.
+    saved = [(x, x.detach().clone(), x.requires_grad) for x in written]
 
     def run_and_restore(fn):
         out = run(fn, inputs)
         if saved:
             out = [t.clone() if isinstance(t, torch.Tensor) else t for t in _flat_tensors(out)]
             with torch.no_grad():
-                for x, before in saved:
+                for x, before, had_history in saved:
                     x.copy_(before)
+                    if x.requires_grad and not had_history:
+                        x.detach_()
         return out
 
     built, outputs, left_out, times, first = {}, {}, {}, {}, {}

@@ -914,6 +914,47 @@ def test_training_graphs_timing_would_disturb_run_once_by_inductor():
     assert calls == [1] and "gradient hooks" in summary.graphs()[-1].why, kwker.report()
 
 
+class _CacheWrite(torch.nn.Module):
+    """Writes a projection into a buffer that does not require grad, as a KV
+    cache written by a step run with grad enabled: the write gives it history."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x, cache, pos):
+        cache.index_copy_(0, pos, self.lin(x))
+        return cache.sum(0)
+
+
+def test_a_training_graph_that_writes_a_buffer_from_parameters_is_tuned_and_trains_as_eager():
+    """Each timing run's write gave the buffer autograd history that the put-back
+    value kept, so the next run's backward went through a freed graph
+    (BackendCompilerFailed); and gradients were taken for that buffer too."""
+    torch.manual_seed(0)
+    step, x = _CacheWrite(), torch.randn(1, 8)
+    ref = copy.deepcopy(step)
+    outputs = {}
+    for name, fn, module in (("kwker", torch.compile(step, backend="kwker"), step), ("eager", ref, ref)):
+        cache = torch.zeros(4, 8)
+        out = [fn(x * (i + 1), cache, torch.tensor([i])) for i in range(3)]
+        out[-1].sum().backward()
+        outputs[name] = (torch.stack(out).detach(), cache.detach(), module.lin.weight.grad, module.lin.bias.grad)
+    for got, want in zip(outputs["kwker"], outputs["eager"]):
+        torch.testing.assert_close(got, want)
+    graph = summary.graphs()[0]
+    assert graph.kind == "training" and set(graph.candidates) == {"inductor", "eager"}, kwker.report()
+
+
+def test_a_training_graph_that_writes_a_view_runs_once_by_inductor():
+    step, x = _CacheWrite(), torch.randn(1, 8)
+    base = torch.zeros(6, 8)
+    out = torch.compile(step, backend="kwker")(x, base[2:], torch.tensor([1]))
+    out.sum().backward()
+    torch.testing.assert_close(base[3], step.lin(x)[0].detach())
+    assert "writes a view" in summary.graphs()[0].why, kwker.report()
+
+
 def test_an_inference_graph_with_random_ops_goes_to_inductor_untimed():
     mlp = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.5))  # training mode under no_grad
     with torch.no_grad():
