@@ -138,10 +138,14 @@ def copy_bytes(weights: list[torch.Tensor], biases: list[torch.Tensor], rows: in
     storage = decide(weights, rows, kn)
     if storage is None:
         return 0
-    nbytes = sum(w.numel() for w in weights) * storage.dtype.itemsize + 64
-    if len(weights) > 1 and biases:
-        nbytes += sum(b.nbytes for b in biases) + 64
-    return nbytes
+    stacked_biases = copy_nbytes(biases, bias_storage(biases)) if len(weights) > 1 and biases else 0
+    return copy_nbytes(weights, storage) + stacked_biases
+
+
+def copy_nbytes(sources: list[torch.Tensor], storage: Storage | None) -> int:
+    """The memory one copy of the sources in this storage takes from a
+    WeightArena, its alignment included (0: no sources, or None: no copy)."""
+    return sum(s.numel() for s in sources) * storage.dtype.itemsize + 64 if sources and storage else 0
 
 
 # ---- memory ------------------------------------------------------------------------------

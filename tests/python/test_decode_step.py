@@ -220,16 +220,14 @@ class _Attention(torch.nn.Module):
         return self.o(self.q(x) + torch.cat([self.k(x), self.v(x)], -1))
 
 
-@pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, "fp32, not bf16-valued"])
-def test_the_weight_reservation_holds_exactly_what_the_rewrite_copies(dtype, bias):
+def reserved_and_copied(module, *args):
+    """The bytes kwker.rewrite reserves for module's graph, and the copies the
+    rewrite then cuts from that reservation: (reserved, used, copies), after
+    checking that every copy lies inside it."""
     from kwker.aten_graph import trace_to_aten
     from kwker.rewrite import reserved_copy_bytes, rewrite_language_model
     from kwker.weights import WeightArena
 
-    module = _Attention(bias)
-    if dtype != "fp32, not bf16-valued":
-        module = module.to(torch.bfloat16).to(dtype)  # bf16-valued
     seen = []
 
     def capture(gm, example_inputs):
@@ -242,15 +240,65 @@ def test_the_weight_reservation_holds_exactly_what_the_rewrite_copies(dtype, bia
         seen.append((reserved, arena.used, copies, arena))
         return gm
 
-    x_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
-    torch.compile(module, backend=capture, fullgraph=True)(torch.randn(1, 32, dtype=x_dtype))
+    with torch.no_grad():
+        torch.compile(module, backend=capture, fullgraph=True)(*args)
     ((reserved, used, copies, arena),) = seen
+    start = arena.memory and torch.frombuffer(arena.memory, dtype=torch.uint8).data_ptr()
+    for c in copies:  # every copy was cut from the reservation, none from memory of its own
+        assert start <= c.copy.data_ptr() < start + reserved, c.attr
+    return reserved, used, copies
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, "fp32, not bf16-valued"])
+def test_the_weight_reservation_holds_exactly_what_the_rewrite_copies(dtype, bias):
+    module = _Attention(bias)
+    if dtype != "fp32, not bf16-valued":
+        module = module.to(torch.bfloat16).to(dtype)  # bf16-valued
+    x_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+    reserved, used, copies = reserved_and_copied(module, torch.randn(1, 32, dtype=x_dtype))
     # q/k/v (and their biases) are stacked; o gets a copy only as bf16 of a bf16-valued fp32 weight.
     expected = {torch.float32: 2 + bias, torch.bfloat16: 1 + bias, "fp32, not bf16-valued": 1 + bias}[dtype]
     assert len(copies) == expected
-    start = arena.memory and torch.frombuffer(arena.memory, dtype=torch.uint8).data_ptr()
-    for c in copies:  # every copy was cut from the reservation, none from memory of its own
-        assert start <= c.copy.data_ptr() < start + reserved
+    assert reserved - 64 * len(copies) <= used <= reserved
+
+
+@pytest.mark.parametrize("bf16_valued", [True, False])
+def test_the_weight_reservation_holds_a_mixture_of_experts_copies(bf16_valued):
+    """Each layer's two expert weights ([E, N, K], read by grouped matmuls) get a
+    bf16 copy when they are bf16-valued float32: reserved with the linears'."""
+    model = random_model(make_config("MixtralConfig", vocab_size=64, hidden_size=64, intermediate_size=96,
+                                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                     num_local_experts=4, num_experts_per_tok=2), bf16_valued=bf16_valued)
+    reserved, used, copies = reserved_and_copied(model, torch.randint(0, 64, (1, 5)))
+    experts = [c for c in copies if c.copy.dim() == 3]  # [E, N, K]: no linear's K is blocked at this size
+    assert len(experts) == (4 if bf16_valued else 0), [(c.attr, c.copy.shape) for c in copies]
+    assert reserved - 64 * len(copies) <= used <= reserved
+
+
+class _Convolutions(torch.nn.Module):
+    """One convolution applied twice, one without a bias, a transposed one."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Conv2d(3, 3, 3, padding=1)
+        self.b = torch.nn.Conv2d(3, 4, 3, bias=False)
+        self.up = torch.nn.ConvTranspose2d(4, 2, 2, stride=2)
+
+    def forward(self, x):
+        return self.up(self.b(self.a(self.a(x))))
+
+
+def test_the_weight_reservation_holds_the_float32_copies_of_bf16_convolutions(monkeypatch):
+    """Where oneDNN has no bf16 convolution (forced here, as on an AVX2 CPU),
+    a bf16 convolution's weight and bias are copied in float32, once each."""
+    from kwker import weights
+
+    monkeypatch.setattr(weights, "convolution_storage",
+                        lambda w: weights.Storage(torch.float32, 0) if w.dtype == torch.bfloat16 else None)
+    module = _Convolutions().to(torch.bfloat16)
+    reserved, used, copies = reserved_and_copied(module, torch.randn(1, 3, 8, 8, dtype=torch.bfloat16))
+    assert len(copies) == 5 and all(c.copy.dtype == torch.float32 for c in copies), [c.attr for c in copies]
     assert reserved - 64 * len(copies) <= used <= reserved
 
 

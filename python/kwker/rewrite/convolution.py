@@ -17,6 +17,31 @@ from kwker.rewrite.linear import copy_node
 from kwker.rewrite.match import aten, is_call, native_convolution, val
 
 
+# Dynamo's graph calls these for torch.nn's convolutions (the ATen graph, aten.convolution)
+_CONVOLUTIONS = (torch.conv1d, torch.conv2d, torch.conv3d,
+                 torch.conv_transpose1d, torch.conv_transpose2d, torch.conv_transpose3d)
+
+
+def reserved_copy_bytes(gm: torch.fx.GraphModule, inputs: dict) -> int:
+    """What convolutions_in_float32 will copy, read off Dynamo's graph (inputs:
+    its placeholders' example values, kwker.rewrite.reserved_copy_bytes): the
+    float32 copies of a bf16 convolution's weight and bias, once each. The
+    convolutions kwker runs itself are told apart only on the ATen graph: theirs
+    stays unused, at the arena's end, which its close() hands back."""
+    read = {}
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or n.target not in _CONVOLUTIONS:
+            continue
+        x = n.args[0] if n.args else n.kwargs.get("input")
+        if getattr(getattr(x, "meta", {}).get("example_value"), "dtype", None) != torch.bfloat16:
+            continue
+        w = n.args[1] if len(n.args) > 1 else n.kwargs.get("weight")
+        b = n.args[2] if len(n.args) > 2 else n.kwargs.get("bias")
+        if isinstance(inputs.get(w), torch.nn.Parameter) and weights.convolution_storage(inputs[w]) is not None:
+            read.update({t: inputs[t] for t in (w, b) if isinstance(inputs.get(t), torch.nn.Parameter)})
+    return sum(weights.copy_nbytes([t], weights.convolution_storage(t)) for t in read.values())
+
+
 def convolutions_in_float32(gm: torch.fx.GraphModule, params: dict[str, torch.Tensor],
                             arena: weights.WeightArena | None = None) -> tuple[int, list[weights.CopiedWeight]]:
     """params: placeholder name -> the real parameter tensor. Returns how many

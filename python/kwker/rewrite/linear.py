@@ -18,13 +18,10 @@ from kwker.custom_ops import LINEAR_MULTI_OUTPUTS, ops
 from kwker.rewrite.match import aten, is_call, val
 
 
-def reserved_copy_bytes(gm: torch.fx.GraphModule, example_inputs) -> int:
-    """What rewrite_linears will copy, read off Dynamo's graph before the ATen
-    trace exists (weights.copy_bytes on the same groups), so that the memory
-    faults in while the trace runs, and a tuned graph's while Inductor compiles
-    (GPT-2's transposed Conv1D weights at batch 8 in float32, 340 MB: its
-    plan's build from 1.1 to 0.35 s, kwker.plan.reserve_weights)."""
-    inputs = dict(zip((n for n in gm.graph.nodes if n.op == "placeholder"), example_inputs))
+def reserved_copy_bytes(gm: torch.fx.GraphModule, inputs: dict) -> int:
+    """What rewrite_linears will copy, read off Dynamo's graph (weights.copy_bytes
+    on the same groups; inputs: its placeholders' example values,
+    kwker.rewrite.reserved_copy_bytes)."""
     groups: dict = {}
     for n in gm.graph.nodes:
         if n.op != "call_function":
