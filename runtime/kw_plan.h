@@ -43,7 +43,8 @@ void kw_plan_destroy(kw_plan *plan);
  * them; NULL only for a slot of zero bytes). The pool may have fewer threads than
  * the plan was built for, never more. Returns 0, KW_EINVAL, KW_EBUSY,
  * KW_ECALLBACK, or KW_EINDEX when a kernel met an index out of range in its
- * data (the replay ran to its end; see kw_plan_fault). */
+ * data (see kw_plan_fault): the replay stops at the first barrier after that
+ * step, so no step that reads what it computed runs. */
 int kw_plan_replay(kw_plan *plan, kw_pool *pool, void *const *slots);
 
 /* After a replay that returned KW_EINDEX: the step, the index and the size it

@@ -52,7 +52,25 @@ typedef struct kw__run {
     kw_plan *plan;
     kw_pool *pool;
     atomic_int rc;
+    atomic_int stop_at; /* the barrier (counted from 1) the replay stops at; 0: none yet */
 } kw__run;
+
+/* A barrier at which every thread decides alike whether the replay stops: once
+ * a kernel has reported an index out of range (kw_fault), no step after the
+ * next barrier runs, so that nothing computed past a skipped row (an embedding
+ * of a bad token id) is written into the call's inputs (the KV cache): PyTorch
+ * raises before writing anything. Each thread votes with what it saw before
+ * the barrier, and a vote counts only at the barrier it was cast for or a
+ * later one: a fast thread may report and vote for the next barrier while a
+ * slower one is still reading this one's verdict. at: this barrier's count. */
+static int barrier_stops(kw__run *r, int at) {
+    int none = 0;
+    if (atomic_load_explicit(&r->plan->fault.reported, memory_order_relaxed))
+        atomic_compare_exchange_strong(&r->stop_at, &none, at);
+    kw_pool_barrier(r->pool);
+    const int stop = atomic_load(&r->stop_at);
+    return stop && stop <= at;
+}
 
 /* Thread 0 runs the host step while the others go straight to the barrier; after
  * it every thread reads the same verdict and a failure stops them all at once. */
@@ -65,11 +83,10 @@ static int run_fallback(kw__run *r, const kw__fallback *f, int ith) {
 
 static void run_steps(void *arg, int ith, int nth) {
     kw__run *r = arg;
-    kw_pool *pool = r->pool;
     const kw__fallback *fallbacks = r->plan->fallbacks;
     const kw__step *s = r->plan->steps, *end = s + r->plan->n_steps;
-    for (; s < end; s++) {
-        if (s->barrier) kw_pool_barrier(pool);
+    for (int barriers = 0; s < end; s++) {
+        if (s->barrier && barrier_stops(r, ++barriers)) return;
         if (s->fn)
             s->fn(s->call, ith, nth);
         else if (run_fallback(r, &fallbacks[s->fallback], ith))
@@ -88,12 +105,12 @@ static uint64_t now_ns(void) {
 static void run_steps_profiled(void *arg, int ith, int nth) {
     kw__run *r = arg;
     kw_plan *p = r->plan;
-    for (int i = 0; i < p->n_steps; i++) {
+    for (int i = 0, barriers = 0; i < p->n_steps; i++) {
         const kw__step *s = &p->steps[i];
         const uint64_t t0 = ith == 0 ? now_ns() : 0;
         if (s->fn) {
             s->fn(s->call, ith, nth);
-            kw_pool_barrier(r->pool);
+            if (barrier_stops(r, ++barriers)) return;
         } else if (run_fallback(r, &p->fallbacks[s->fallback], ith)) {
             return;
         }

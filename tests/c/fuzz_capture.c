@@ -143,8 +143,8 @@ static void replay_checked(kw_plan *plan, int n_threads) {
         int step = -1;
         int64_t index = 0, size = 0;
         /* An index read from the data (kv_write's positions, embedding's ids; here
-         * whatever an earlier step wrote) may be out of range: the replay then runs
-         * to its end and names the step, the index and the size it is not under. */
+         * whatever an earlier step wrote) may be out of range: the replay then stops
+         * at the next barrier and names the step, the index and the size it is not under. */
         if (rc == KW_EINDEX && kw_plan_fault(plan, &step, &index, &size) &&
             step >= 0 && step < kw_plan_n_steps(plan) && (index < 0 || index >= size))
             continue;

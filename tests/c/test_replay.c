@@ -202,8 +202,8 @@ Test(replay, each_call_binds_its_own_pointers) {
 }
 
 /* A cache position out of range cannot raise inside a kernel: the row is
- * skipped, the replay runs to its end and answers KW_EINDEX, and the plan says
- * which step met which index. */
+ * skipped, the replay answers KW_EINDEX, and the plan says which step met
+ * which index. */
 Test(replay, an_index_out_of_range_in_the_data_fails_the_replay_and_names_the_step) {
     enum { S = 6, D = 4 };
     static float cache[S * D], src[D];
@@ -235,6 +235,57 @@ Test(replay, an_index_out_of_range_in_the_data_fails_the_replay_and_names_the_st
     kw_pool_destroy(pool);
     kw_plan_destroy(plan);
     kw_builder_destroy(b);
+}
+
+/* What a step computed past a skipped row must not reach the call's inputs
+ * (PyTorch raises before it writes): a cache position out of range stops the
+ * replay at the next barrier, here before the linear that reads the cache.
+ * Every thread must stop at that same barrier (one that went on would wait
+ * for the others forever): many replays, bad and good positions in turn, at
+ * 1 and 2 threads, profiled and not. */
+Test(replay, no_step_after_the_barrier_that_follows_a_reported_index_runs) {
+    enum { S = 4, D = 4, N2 = 8 };
+    static float cache[S * D], src[D], w[N2 * S * D], out[N2], ref[N2];
+    static int64_t pos;
+    fill(w, N2 * S * D, 7);
+    for (int threads = 1; threads <= 2; threads++)
+        for (int profiled = 0; profiled <= 1; profiled++) {
+            kw_builder *b = kw_builder_create();
+            const int bc = kw_builder_input(b, "cache", sizeof cache), bs = kw_builder_input(b, "src", sizeof src),
+                      bp = kw_builder_input(b, "pos", sizeof pos), bo = kw_builder_input(b, "out", sizeof out),
+                      bw = kw_builder_constant(b, "w", w, sizeof w);
+            const int64_t cshape[4] = {1, 1, S, D}, sshape[4] = {1, 1, 1, D}, pshape[1] = {1};
+            const int write[3] = {kw_builder_view(b, bc, KW_F32, 4, cshape, NULL, 0),
+                                  kw_builder_view(b, bs, KW_F32, 4, sshape, NULL, 0),
+                                  kw_builder_view(b, bp, KW_I64, 1, pshape, NULL, 0)};
+            kw_builder_op(b, KW_OP_KV_WRITE, write, 3, NULL, 0, NULL, 0);
+            const int read[3] = {view2(b, bo, 1, N2), view2(b, bc, 1, S * D), view2(b, bw, N2, S * D)};
+            kw_builder_op(b, KW_OP_LINEAR, read, 3, NULL, 0, NULL, 0);
+            kw_plan *plan;
+            const kw_finish_opts o = {.n_threads = threads, .isa = -1};
+            cr_assert_eq(kw_builder_finish(b, &o, &plan, NULL, 0), 0);
+            kw_plan_set_profiling(plan, profiled);
+            kw_pool *pool = kw_pool_create(threads);
+            void *slots[4] = {cache, src, &pos, out};
+            memset(cache, 0, sizeof cache);
+            for (int i = 0; i < 400; i++) {
+                const int bad = i % 2;
+                pos = bad ? S + i % 3 : i / 2 % S;
+                fill(src, D, (unsigned)i);
+                memset(out, 0x7f, sizeof out);
+                cr_assert_eq(kw_plan_replay(plan, pool, slots), bad ? KW_EINDEX : 0, "replay %d", i);
+                if (bad) {
+                    for (int j = 0; j < N2; j++)
+                        cr_assert_eq(((unsigned *)out)[j], 0x7f7f7f7fu, "%d threads: the linear ran after the fault", threads);
+                } else {
+                    run_linear(ref, cache, w, 1, S * D, N2);
+                    cr_assert_arr_eq(out, ref, sizeof ref, "replay %d", i);
+                }
+            }
+            kw_pool_destroy(pool);
+            kw_plan_destroy(plan);
+            kw_builder_destroy(b);
+        }
 }
 
 Test(replay, profiling_counts_replays_and_time_per_step) {

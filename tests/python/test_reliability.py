@@ -181,6 +181,30 @@ def test_a_step_past_the_end_of_the_cache_raises_as_eager_does():
     assert kinds() == ["decode-replay"], kwker.report()
 
 
+def test_a_step_that_raises_for_a_bad_token_id_writes_nothing_into_the_cache_as_eager():
+    """The embedding skips a bad id's row and reports it; the layers after it
+    had still run and written the skipped row's values into the cache, so a
+    loop that caught the IndexError and went on decoded from a corrupted cache."""
+    model = small_model("llama")
+    step = torch.compile(model, backend="kwker", fullgraph=True)
+    warnings.filterwarnings("ignore", message=".*past_key_values.*")
+    after = {}
+    for name, fn in (("eager", model), ("kwker", step)):
+        cache = StaticCache(config=model.config, max_cache_len=PROMPT.shape[1] + 4)
+        with torch.no_grad():
+            model(PROMPT, past_key_values=cache, use_cache=True)
+            fn(torch.tensor([[5]]), past_key_values=cache, use_cache=True)
+            with pytest.raises(IndexError):
+                fn(torch.tensor([[model.config.vocab_size + 3]]), past_key_values=cache, use_cache=True)
+            keys = [layer.keys.clone() for layer in cache.layers]
+            logits = fn(torch.tensor([[6]]), past_key_values=cache, use_cache=True).logits
+        after[name] = (keys, logits)
+    for got, want in zip(after["kwker"][0], after["eager"][0]):
+        torch.testing.assert_close(got, want)
+    torch.testing.assert_close(after["kwker"][1], after["eager"][1])
+    assert kinds() == ["decode-replay"], kwker.report()
+
+
 # ---- 8. two threads compiling at once ---------------------------------------------------------
 
 

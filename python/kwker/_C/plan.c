@@ -398,7 +398,7 @@ PyObject *kw__index_error(const char *op, int64_t index, int64_t size, const cha
     if (op && !strcmp(op, "kv_write"))
         return PyErr_Format(PyExc_IndexError,
                             "index_copy_(): index %lld is out of bounds for dimension 2 with size %lld (%s: the cache "
-                            "position is outside the static cache; the call ran to its end)",
+                            "position is outside the static cache; the replay stopped there)",
                             (long long)index, (long long)size, where);
     if (op && !strcmp(op, "grouped_linear"))
         return PyErr_Format(PyExc_IndexError,
