@@ -8,6 +8,7 @@ storages from these values.
 """
 
 import torch
+from torch._dynamo.convert_frame import compile_lock
 from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -30,6 +31,12 @@ def trace_to_aten(gm: torch.fx.GraphModule, example_inputs) -> torch.fx.GraphMod
         # pass reads it): the trace of a SmolLM2-360M decode step takes 1.4
         # s instead of 1.8 s, every node the same.
         try:
-            return make_fx(gm, tracing_mode="real", _disable_torch_fn_metadata_mode=True)(*fake_inputs)
+            # As under Dynamo's own compile (a plan traced again at call time is not): make_fx
+            # marks the whole process as FX-tracing, and another thread entering a compiled
+            # function then raised "Detected that you are using FX to symbolically trace a
+            # dynamo-optimized function" unless a compile session is marked too; the lock keeps
+            # two such traces from unmarking each other.
+            with compile_lock, torch.compiler._compile_session_context():
+                return make_fx(gm, tracing_mode="real", _disable_torch_fn_metadata_mode=True)(*fake_inputs)
         except Exception as e:  # noqa: BLE001 - any failure of the trace: the graph is not kwker's to replay
             raise NotLowerable(f"kwker's ATen trace failed ({type(e).__name__}: {e})") from e

@@ -3,6 +3,7 @@ share a step between threads, edit weights any way PyTorch allows, load another
 model, change dtypes, run out of cache — gives eager's tokens, or hands the
 graph to Inductor with the reason, or raises what eager raises."""
 
+import threading
 import warnings
 
 import pytest
@@ -218,6 +219,39 @@ def test_two_threads_compiling_at_once_both_get_their_tokens(side_by_side):
 
     assert side_by_side(run) == [] and got == want
     assert kinds() == ["decode-replay", "decode-replay"], kwker.report()
+
+
+def test_a_plan_traced_at_call_time_does_not_stop_another_thread_calling_a_compiled_step(side_by_side):
+    """A plan for new sizes is traced when the step is called, outside Dynamo's
+    compile; make_fx marks the process as FX-tracing, and another thread
+    entering a compiled step then raised that it was FX-tracing a compiled
+    function. Thread 0 gives a new prompt length each time (a plan per size);
+    thread 1 decodes another model until thread 0 is done."""
+    models = [small_model("llama"), small_model("qwen2")]
+    configs = [kwker.compile_config(), kwker.compile_config()]
+    prompts = [torch.tensor([list(range(1, n + 1))]) for n in range(4, 16)]
+
+    def generate(i, ids, new_tokens, config=None):
+        return models[i].generate(ids, max_new_tokens=new_tokens, do_sample=False, cache_implementation="static",
+                                  compile_config=config).tolist()
+
+    for ids in (PROMPT, prompts[0][:, :3]):  # a second length: Dynamo makes the cache length dynamic
+        generate(0, ids, 2, configs[0])
+    generate(1, PROMPT, 2, configs[1])
+    got, done = [], threading.Event()
+
+    def run(i):
+        try:
+            if i == 0:
+                got.extend(generate(0, ids, 3, configs[0]) for ids in prompts)
+            else:
+                while not done.is_set():
+                    generate(1, PROMPT, 4, configs[1])
+        finally:
+            done.set()
+
+    assert side_by_side(run) == []
+    assert got == [generate(0, ids, 3) for ids in prompts]
 
 
 # ---- 9. what a plan returns and writes, as eager's tensors --------------------------------------
