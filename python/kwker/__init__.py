@@ -22,7 +22,11 @@ def compile_config(**kwargs):
       the parameters that kwker's plan checks again itself are dropped
       (kwker.guards; ``"guard_filter_fn": None`` keeps every guard); other
       options given are added to it;
-    - ``_compile_all_devices``, without which generate() compiles nothing on a CPU.
+    - ``_compile_all_devices``, without which generate() compiles nothing on a CPU;
+    - ``fullgraph=False``, transformers' default: past Dynamo's recompile limit
+      (eight variants of the step: prompt lengths, batches, sliding windows,
+      chunked prefills in one process) a step then runs eagerly instead of
+      raising ``FailOnRecompileLimitHit``.
 
     Keyword arguments override these."""
     from transformers import CompileConfig
@@ -31,7 +35,7 @@ def compile_config(**kwargs):
     from kwker.guards import guard_filter
 
     options = {"guard_filter_fn": guard_filter, **(kwargs.pop("options", None) or {})}
-    config = CompileConfig(**{"backend": kwker_backend, "mode": None, "fullgraph": True, "options": options,
+    config = CompileConfig(**{"backend": kwker_backend, "mode": None, "fullgraph": False, "options": options,
                               **kwargs})
     config._compile_all_devices = True
     return config

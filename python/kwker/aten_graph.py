@@ -19,12 +19,13 @@ from kwker.lower import NotLowerable
 
 def trace_to_aten(gm: torch.fx.GraphModule, example_inputs) -> torch.fx.GraphModule:
     """Inside a backend call Dynamo's fake mode is found; outside it (a plan
-    compiled again for new arguments) a new one, whose shape environment lets
-    .item() of a float input trace as a symbol, as under Dynamo. Raises
+    compiled again for new arguments) a new one. Either lets .item() of a float
+    input trace as a symbol (Dynamo's allows it only under fullgraph=True). Raises
     NotLowerable where make_fx cannot follow gm (a branch on a float Dynamo
     made an input: a module's float attribute changed after the first
     compile), which Inductor may still compile."""
     fake_mode = detect_fake_mode(example_inputs) or FakeTensorMode(shape_env=ShapeEnv())
+    allowed, fake_mode.allow_scalar_outputs = fake_mode.allow_scalar_outputs, True
     with fake_mode:
         fake_inputs = [fake_mode.from_tensor(x, static_shapes=True) if isinstance(x, torch.Tensor) else x for x in example_inputs]
         # Without the mode that records which torch function made each node (no
@@ -40,3 +41,5 @@ def trace_to_aten(gm: torch.fx.GraphModule, example_inputs) -> torch.fx.GraphMod
                 return make_fx(gm, tracing_mode="real", _disable_torch_fn_metadata_mode=True)(*fake_inputs)
         except Exception as e:  # noqa: BLE001 - any failure of the trace: the graph is not kwker's to replay
             raise NotLowerable(f"kwker's ATen trace failed ({type(e).__name__}: {e})") from e
+        finally:
+            fake_mode.allow_scalar_outputs = allowed

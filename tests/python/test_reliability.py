@@ -206,6 +206,21 @@ def test_a_step_that_raises_for_a_bad_token_id_writes_nothing_into_the_cache_as_
     assert kinds() == ["decode-replay"], kwker.report()
 
 
+def test_steps_past_dynamos_recompile_limit_run_eagerly_with_eagers_tokens():
+    """Prompt lengths and batches are variants of the step; past Dynamo's limit
+    (8, here 1) generate() went on only with fullgraph=False (compile_config's
+    now, as transformers' own): with True it raised FailOnRecompileLimitHit."""
+    model = small_model("llama")
+    prompts = [PROMPT, PROMPT[:, :5], PROMPT.repeat(2, 1)]
+    config = kwker.compile_config()
+    with torch._dynamo.config.patch(recompile_limit=1):
+        for ids in prompts:
+            want = model.generate(ids, max_new_tokens=4, do_sample=False, cache_implementation="static")
+            got = model.generate(ids, max_new_tokens=4, do_sample=False, cache_implementation="static",
+                                 compile_config=config)
+            assert got.tolist() == want.tolist()
+
+
 # ---- 8. two threads compiling at once ---------------------------------------------------------
 
 
