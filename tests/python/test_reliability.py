@@ -236,6 +236,39 @@ def test_two_threads_compiling_at_once_both_get_their_tokens(side_by_side):
     assert kinds() == ["decode-replay", "decode-replay"], kwker.report()
 
 
+class _WaitsWhileTraced(torch.nn.Module):
+    def __init__(self, tracing: threading.Event, called: threading.Event):
+        super().__init__()
+        self.tracing, self.called = tracing, called
+
+    def forward(self, x):
+        self.tracing.set()
+        self.called.wait(timeout=30)
+        return x * 2
+
+
+def test_another_thread_calls_a_compiled_function_while_kwker_traces(side_by_side):
+    """The same as below without timing: the trace waits (inside make_fx) until
+    the other thread's compiled call has returned."""
+    from kwker.aten_graph import trace_to_aten
+
+    tracing, called = threading.Event(), threading.Event()
+    double = torch.compile(lambda x: x * 2, backend="eager")
+    double(torch.ones(2))
+
+    def run(i):
+        if i == 0:
+            trace_to_aten(_WaitsWhileTraced(tracing, called), [torch.ones(2)])
+        else:
+            try:
+                assert tracing.wait(timeout=30)
+                assert torch.equal(double(torch.ones(2)), torch.full((2,), 2.0))
+            finally:
+                called.set()
+
+    assert side_by_side(run) == []
+
+
 def test_a_plan_traced_at_call_time_does_not_stop_another_thread_calling_a_compiled_step(side_by_side):
     """A plan for new sizes is traced when the step is called, outside Dynamo's
     compile; make_fx marks the process as FX-tracing, and another thread
