@@ -28,6 +28,7 @@ from torch.nn.utils.fusion import fuse_conv_bn_weights
 
 from kwker import _C, weights
 from kwker.guards import in_module
+from kwker.rewrite.match import TORCH_CONVOLUTIONS, convolution_operands
 
 log = logging.getLogger(__name__)
 
@@ -99,8 +100,6 @@ def _with_constants(gm: torch.fx.GraphModule, constants: dict) -> torch.fx.Graph
 
 
 # torch's convolutions as Dynamo's graphs call them (nn.ConvNd inlined).
-_CONVOLUTIONS = {torch.conv1d, torch.conv2d, torch.conv3d, torch.nn.functional.conv1d, torch.nn.functional.conv2d,
-                 torch.nn.functional.conv3d}
 _BATCH_NORM_PARAMETERS = list(inspect.signature(torch.nn.functional.batch_norm).parameters)
 
 
@@ -122,10 +121,10 @@ def _fold_batch_norms(gm: torch.fx.GraphModule) -> None:
         if _rounds_a_float32_convolution(rounded):  # the fold goes into its float32 constants
             conv = rounded.args[0]
         if args.get("training", False) is not False or not isinstance(conv, torch.fx.Node) \
-                or conv.op != "call_function" or conv.target not in _CONVOLUTIONS or len(conv.users) != 1 \
+                or conv.op != "call_function" or conv.target not in TORCH_CONVOLUTIONS or len(conv.users) != 1 \
                 or len(rounded.users) != 1:
             continue
-        _, weight, bias = _convolution_operands(conv)
+        _, weight, bias = convolution_operands(conv)
         tensors = [weight, bias, args["running_mean"], args["running_var"], args.get("weight"), args.get("bias")]
         if any(t is not None and t not in attrs for t in tensors) or weight is None or tensors[2] is None \
                 or tensors[3] is None or _dims(conv) != attrs[weight].dim():
@@ -159,9 +158,9 @@ def _convolutions_in_float32(gm: torch.fx.GraphModule) -> None:
     norms are folded, so that they fold into the float32 constants."""
     attrs = {n: getattr(gm, n.target) for n in gm.graph.nodes if n.op == "get_attr"}
     for conv in list(gm.graph.nodes):
-        if conv.op != "call_function" or conv.target not in _CONVOLUTIONS:
+        if conv.op != "call_function" or conv.target not in TORCH_CONVOLUTIONS:
             continue
-        x, weight, bias = _convolution_operands(conv)
+        x, weight, bias = convolution_operands(conv)
         constants = [t for t in (weight, bias) if t is not None]
         x_value = x.meta.get("example_value") if isinstance(x, torch.fx.Node) else None
         if any(t not in attrs for t in constants) or getattr(x_value, "dtype", None) != torch.bfloat16 \
@@ -189,13 +188,6 @@ def _convolutions_in_float32(gm: torch.fx.GraphModule) -> None:
     gm.recompile()
 
 
-def _convolution_operands(conv: torch.fx.Node) -> tuple:
-    """A torch convolution call's input, weight and bias, each given by position
-    or by keyword (None where absent)."""
-    return tuple(conv.args[i] if len(conv.args) > i else conv.kwargs.get(name)
-                 for i, name in enumerate(("input", "weight", "bias")))
-
-
 _ROUNDING = "to"  # the method that rounds a float32 convolution's output to bfloat16
 
 
@@ -203,7 +195,7 @@ def _rounds_a_float32_convolution(node) -> bool:
     """node is _convolutions_in_float32's rounding of a convolution's output."""
     return isinstance(node, torch.fx.Node) and node.op == "call_method" and node.target == _ROUNDING \
         and node.args[1:] == (torch.bfloat16,) and isinstance(node.args[0], torch.fx.Node) \
-        and node.args[0].target in _CONVOLUTIONS
+        and node.args[0].target in TORCH_CONVOLUTIONS
 
 
 def _dims(node: torch.fx.Node) -> int | None:

@@ -164,15 +164,22 @@ def test_a_model_in_a_dtype_kwker_has_no_kernels_for_goes_to_inductor_with_the_r
 # ---- 7. a cache position out of range ---------------------------------------------------------
 
 
-def test_a_step_past_the_end_of_the_cache_raises_as_eager_does():
-    model = small_model("llama")
+def after_the_prompt(model, spare: int):
+    """(name, step, cache) for eager's model and kwker's compiled one, each with
+    a static cache of `spare` positions past the prompt, the prompt in it."""
     step = torch.compile(model, backend="kwker", fullgraph=True)
     warnings.filterwarnings("ignore", message=".*past_key_values.*")
-    errors = {}
     for name, fn in (("eager", model), ("kwker", step)):
-        cache = StaticCache(config=model.config, max_cache_len=PROMPT.shape[1] + 2)
+        cache = StaticCache(config=model.config, max_cache_len=PROMPT.shape[1] + spare)
         with torch.no_grad():
             model(PROMPT, past_key_values=cache, use_cache=True)
+        yield name, fn, cache
+
+
+def test_a_step_past_the_end_of_the_cache_raises_as_eager_does():
+    errors = {}
+    for name, fn, cache in after_the_prompt(small_model("llama"), spare=2):
+        with torch.no_grad():
             for _ in range(2):
                 fn(torch.tensor([[5]]), past_key_values=cache, use_cache=True)
             with pytest.raises(IndexError) as e:
@@ -187,13 +194,9 @@ def test_a_step_that_raises_for_a_bad_token_id_writes_nothing_into_the_cache_as_
     had still run and written the skipped row's values into the cache, so a
     loop that caught the IndexError and went on decoded from a corrupted cache."""
     model = small_model("llama")
-    step = torch.compile(model, backend="kwker", fullgraph=True)
-    warnings.filterwarnings("ignore", message=".*past_key_values.*")
     after = {}
-    for name, fn in (("eager", model), ("kwker", step)):
-        cache = StaticCache(config=model.config, max_cache_len=PROMPT.shape[1] + 4)
+    for name, fn, cache in after_the_prompt(model, spare=4):
         with torch.no_grad():
-            model(PROMPT, past_key_values=cache, use_cache=True)
             fn(torch.tensor([[5]]), past_key_values=cache, use_cache=True)
             with pytest.raises(IndexError):
                 fn(torch.tensor([[model.config.vocab_size + 3]]), past_key_values=cache, use_cache=True)

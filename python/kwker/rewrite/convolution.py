@@ -14,12 +14,8 @@ import torch
 
 from kwker import weights
 from kwker.rewrite.linear import copy_node
-from kwker.rewrite.match import aten, is_call, native_convolution, val
-
-
-# Dynamo's graph calls these for torch.nn's convolutions (the ATen graph, aten.convolution)
-_CONVOLUTIONS = (torch.conv1d, torch.conv2d, torch.conv3d,
-                 torch.conv_transpose1d, torch.conv_transpose2d, torch.conv_transpose3d)
+from kwker.rewrite.match import (TORCH_CONVOLUTIONS, TORCH_TRANSPOSED_CONVOLUTIONS, aten, convolution_operands, is_call,
+                                 native_convolution, val)
 
 
 def reserved_copy_bytes(gm: torch.fx.GraphModule, inputs: dict) -> int:
@@ -30,13 +26,11 @@ def reserved_copy_bytes(gm: torch.fx.GraphModule, inputs: dict) -> int:
     stays unused, at the arena's end, which its close() hands back."""
     read = {}
     for n in gm.graph.nodes:
-        if n.op != "call_function" or n.target not in _CONVOLUTIONS:
+        if n.op != "call_function" or n.target not in TORCH_CONVOLUTIONS | TORCH_TRANSPOSED_CONVOLUTIONS:
             continue
-        x = n.args[0] if n.args else n.kwargs.get("input")
+        x, w, b = convolution_operands(n)
         if getattr(getattr(x, "meta", {}).get("example_value"), "dtype", None) != torch.bfloat16:
             continue
-        w = n.args[1] if len(n.args) > 1 else n.kwargs.get("weight")
-        b = n.args[2] if len(n.args) > 2 else n.kwargs.get("bias")
         if isinstance(inputs.get(w), torch.nn.Parameter) and weights.convolution_storage(inputs[w]) is not None:
             read.update({t: inputs[t] for t in (w, b) if isinstance(inputs.get(t), torch.nn.Parameter)})
     return sum(weights.copy_nbytes([t], weights.convolution_storage(t)) for t in read.values())

@@ -25,6 +25,19 @@ def op_arguments(node: torch.fx.Node) -> dict:
     return defaults | dict(zip((a.name for a in schema.arguments), node.args)) | node.kwargs
 
 
+# What Dynamo's graph calls for torch.nn's convolutions (torch.nn.functional's are
+# these); the ATen graph has aten.convolution for all of them.
+TORCH_CONVOLUTIONS = frozenset({torch.conv1d, torch.conv2d, torch.conv3d})
+TORCH_TRANSPOSED_CONVOLUTIONS = frozenset({torch.conv_transpose1d, torch.conv_transpose2d, torch.conv_transpose3d})
+
+
+def convolution_operands(conv: Node) -> tuple:
+    """A torch convolution call's input, weight and bias, each given by position
+    or by keyword (None where absent)."""
+    return tuple(conv.args[i] if len(conv.args) > i else conv.kwargs.get(name)
+                 for i, name in enumerate(("input", "weight", "bias")))
+
+
 def draws_random_numbers(node: Node) -> bool:
     """An op PyTorch tags as seeded from the random generator, other than an
     attention whose dropout_p is 0 (tagged for its dropout, it draws nothing):
