@@ -155,8 +155,10 @@ def _convolutions_in_float32(gm: torch.fx.GraphModule) -> None:
     weights.convolution_storage copies to float32 (oneDNN has no bf16
     convolution for this CPU): the input widened, the constants as float32
     copies, the output rounded back to bfloat16 (_ROUNDING). Before the batch
-    norms are folded, so that they fold into the float32 constants."""
+    norms are folded, so that they fold into the float32 constants. A constant
+    that several convolutions read (one module called twice) has one copy."""
     attrs = {n: getattr(gm, n.target) for n in gm.graph.nodes if n.op == "get_attr"}
+    copy_of = {}  # a constant's node: its float32 copy's name
     for conv in list(gm.graph.nodes):
         if conv.op != "call_function" or conv.target not in TORCH_CONVOLUTIONS:
             continue
@@ -173,10 +175,11 @@ def _convolutions_in_float32(gm: torch.fx.GraphModule) -> None:
                 if t is None:
                     copies.append(None)
                     continue
-                name = f"kwker_float32_{len(attrs)}"
-                gm.register_buffer(name, attrs[t].detach().float())
-                copies.append(gm.graph.get_attr(name))
-                attrs[copies[-1]] = getattr(gm, name)
+                if t not in copy_of:
+                    copy_of[t] = f"kwker_float32_{len(attrs)}"
+                    gm.register_buffer(copy_of[t], attrs[t].detach().float())
+                copies.append(gm.graph.get_attr(copy_of[t]))
+                attrs[copies[-1]] = getattr(gm, copy_of[t])
         conv.args = (widened, *copies, *conv.args[3:])
         conv.kwargs = {k: v for k, v in conv.kwargs.items() if k not in ("input", "weight", "bias")}
         with gm.graph.inserting_after(conv):

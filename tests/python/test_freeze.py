@@ -224,6 +224,35 @@ def test_bf16_convolutions_run_in_float32_where_onednn_has_no_bf16_convolution(m
         torch.testing.assert_close(got, exact, rtol=2 ** -7, atol=2 ** -7)
 
 
+def test_a_convolution_called_twice_has_one_float32_copy_of_its_weight(monkeypatch):
+    """One module called twice (a shared weight and bias): its two convolutions
+    read one float32 copy of each, and both are eager's within bf16 rounding."""
+    monkeypatch.setattr(weights, "convolution_storage", lambda w: weights.Storage(torch.float32, 0))
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(4, 4, 3, padding=1).bfloat16()
+    x = torch.randn(1, 4, 8, 8, dtype=torch.bfloat16)
+    graphs = []
+
+    def rewrite(gm, example_inputs):
+        graph, kept = with_model_constants(gm, example_inputs)
+        _convolutions_in_float32(graph)
+        graphs.append(graph)
+        return lambda *args: graph(*kept(args))
+
+    def twice(x):
+        return conv(torch.relu(conv(x)))
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        got = torch.compile(twice, backend=rewrite)(x)
+        want = twice(x)
+    (graph,) = graphs
+    constants = {n.target for n in graph.graph.nodes if n.op == "get_attr"}
+    assert {getattr(graph, c).dtype for c in constants} == {torch.float32} and len(constants) == 2, constants
+    assert len([n for n in graph.graph.nodes if n.target is torch.conv2d]) == 2
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+
+
 def test_a_second_model_of_the_same_class_is_not_read_through_the_first_ones_constants():
     made, backend = freezing_backend()
     first, second, x = ConvBN().eval(), ConvBN().eval(), torch.randn(1, 3, 8, 8)
