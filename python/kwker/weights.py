@@ -259,10 +259,10 @@ class CopiedWeight:
         if self.storage.dtype != copy_dtype(tensors) and self.storage.dtype == torch.bfloat16:
             return False
         for i, t in enumerate(tensors):
-            if _C.read_tensor(t) == _C.read_tensor(self.watches[i].tensor):
-                self.watches[i].rearm()  # the same memory, written: watch afresh, then copy
-            else:
+            if self.watches[i].moved(t):  # param.data = other, or its storage freed and allocated again
                 self.watches[i] = _C.Watch(t)
+            else:
+                self.watches[i].rearm()  # the same memory, written: watch afresh, then copy
         fill_copy(self.copy, tensors, self.storage)
         return True
 

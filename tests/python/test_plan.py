@@ -173,10 +173,10 @@ def copying_plan():
     def refresh(args):
         refreshes.append(args[1])
         _, watch = sources[0]
-        if _C.read_tensor(args[1]) == _C.read_tensor(watch.tensor):
-            watch.rearm()
-        else:
+        if watch.moved(args[1]):
             sources[0] = (1, _C.Watch(args[1]))
+        else:
+            watch.rearm()
         copy.copy_(args[1])
 
     plan.watch(sources, refresh)

@@ -107,6 +107,29 @@ def test_conv1d_weights_copied_as_their_transpose_are_read_fresh_after_an_edit(b
     assert kinds() == ["decode-replay"], kwker.report()
 
 
+def test_weights_whose_storage_is_freed_and_allocated_again_are_read_fresh():
+    """FSDP's way of gathering a parameter: its storage resized to 0 (the memory
+    freed) and back, then written. The tensor, and the alias kwker's watch holds,
+    keep their storage object, whose memory is new."""
+    model = small_model("llama")
+    config = kwker.compile_config()
+    assert_same_tokens(model, config)
+    before = greedy(model)
+    for linear in (model.model.layers[0].self_attn.q_proj, model.model.layers[1].mlp.down_proj):
+        weight = linear.weight
+        new = (weight.detach() * -4.0).clone()  # bf16-exact
+        storage = weight.untyped_storage()
+        nbytes = storage.nbytes()
+        storage.resize_(0)
+        storage.resize_(nbytes)
+        with torch.no_grad():
+            weight.copy_(new)
+    assert greedy(model) != before  # the new values decide the tokens
+    assert_same_tokens(model, config)
+    assert_same_tokens(model, config)
+    assert kinds() == ["decode-replay"], kwker.report()
+
+
 def test_a_weight_given_another_layout_under_skipped_guards_is_read_as_it_is_now():
     model = small_model("llama")
     config = kwker.compile_config()

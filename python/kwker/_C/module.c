@@ -117,13 +117,6 @@ static PyObject *prefer_huge_pages(PyObject *self, PyObject *arg) {
     return PyLong_FromSize_t(done);
 }
 
-static PyObject *read_tensor(PyObject *self, PyObject *arg) {
-    kw_tensor t;
-    if (kw__torch_init() || kw__tensor_read(arg, "read_tensor's argument", &t)) return NULL;
-    return Py_BuildValue("(NsNN)", PyLong_FromVoidPtr(t.data), kw_dtype_name(t.dtype), kw__int64_tuple(t.shape, t.ndim),
-                         kw__int64_tuple(t.stride, t.ndim));
-}
-
 static PyObject *reads_tensors_fast(PyObject *self, PyObject *unused) {
     if (kw__torch_init()) return NULL;
     return PyBool_FromLong(kw__tensor_read_is_fast());
@@ -145,8 +138,6 @@ static PyMethodDef module_methods[] = {
     {"prefer_huge_pages", prefer_huge_pages, METH_O,
      "prefer_huge_pages(t) -> bytes: backs the whole 2 MiB pages of t's memory with huge pages now\n"
      "(madvise MADV_HUGEPAGE + MADV_COLLAPSE; contents unchanged); 0 where the kernel refuses."},
-    {"read_tensor", read_tensor, METH_O,
-     "read_tensor(t) -> (data_ptr, dtype name, shape, strides): what a plan reads of each input on every call."},
     {"reads_tensors_fast", reads_tensors_fast, METH_NOARGS,
      "True when tensors are read through PyTorch's C shim (tens of ns), False when through their Python\n"
      "attributes (the shim was not found, or disagreed with Python on a probe tensor)."},

@@ -1,9 +1,14 @@
 /* kwker._C.Watch: a tensor's memory watched for writes (runtime/kw_watch.h),
  * for the weights kwker copies. The watch keeps the tensor's storage alive (a
- * detached alias), so the memory cannot be freed and handed to someone else
- * while it is read-only, and it remembers the tensor's address and layout, so
- * that `param.data = other` is told apart from the same memory, and its exact
- * Python type, as Dynamo's tensor guard would. */
+ * detached alias), so the memory is not freed and handed to someone else while
+ * it is read-only, and it remembers the tensor's address and layout, so that
+ * `param.data = other` is told apart from the same memory, and its exact Python
+ * type, as Dynamo's tensor guard would. One thing frees the memory under the
+ * alias: `untyped_storage().resize_()` (FSDP's gather resizes to 0 and back),
+ * which gives the storage, the alias's too, new memory; the tensor then moved()
+ * and a refresh watches it afresh. Where the new memory lands at the old
+ * address (munmap, then mmap), it is not read-only: a write to it is seen only
+ * by the comparison of the partial pages at its ends. */
 #include <errno.h>
 
 #include "kw_binding.h"
@@ -88,6 +93,11 @@ static PyObject *watch_matches(PyObject *self, PyObject *tensor) {
     return changed < 0 ? NULL : PyBool_FromLong(!changed);
 }
 
+static PyObject *watch_moved(PyObject *self, PyObject *tensor) {
+    const int moved = kw__watch_moved(self, tensor);
+    return moved < 0 ? NULL : PyBool_FromLong(moved);
+}
+
 static PyObject *watch_get_changed(PyObject *self_, void *closure) {
     WatchObject *self = (WatchObject *)self_;
     return PyBool_FromLong(self->w && kw_watch_changed(self->w));
@@ -120,6 +130,9 @@ static PyMethodDef watch_methods[] = {
      "front of one installed after it (faulthandler.enable() called late), as a plan's call does."},
     {"rearm", watch_rearm, METH_NOARGS,
      "rearm(): watch afresh from now on. Copy the memory only after this: a write in between is then seen."},
+    {"moved", watch_moved, METH_O,
+     "moved(tensor) -> bool: tensor is not at the watched address with the watched layout and Python type. The\n"
+     "watched alias cannot tell: it shares the storage, whose memory untyped_storage().resize_() replaces."},
     {"matches", watch_matches, METH_O,
      "matches(tensor) -> bool: tensor has the watched address and layout, and the memory was not written\n"
      "since the watch was made or rearmed."},
