@@ -230,11 +230,14 @@ def _cpu_gelu_mul(gate, up, approximate):
 
 def _cpu_linear(x, weight, bias):
     """oneDNN's matmul from the rows where it measured faster (kwker.weights),
-    kwker's linear below them or where matmul_dnnl refuses the weight."""
-    y = x.new_empty((*x.shape[:-1], weight.shape[0]))
-    slots = [y, x, weight, bias]
-    if by_matmul(x.dtype, rows_per_call(x)) and _native("matmul_dnnl", slots) or _native("linear", slots):
-        return y
+    kwker's linear below them or where matmul_dnnl refuses the weight. The
+    native ops also read the K-blocked layout of kwker's copies ([K / B, N, B]),
+    which F.linear refuses: a weight that is not [N, K] runs the reference."""
+    if weight.dim() == 2 and x.dim() >= 1:
+        y = x.new_empty((*x.shape[:-1], weight.shape[0]))
+        slots = [y, x, weight, bias]
+        if by_matmul(x.dtype, rows_per_call(x)) and _native("matmul_dnnl", slots) or _native("linear", slots):
+            return y
     return _contiguous(_linear(x, weight, bias))
 
 
@@ -243,12 +246,13 @@ LINEAR_MULTI_OUTPUTS = 4
 
 
 def _cpu_linear_multi(x, weight, bias, sizes):
-    ys = [x.new_empty((*x.shape[:-1], n)) for n in sizes]
-    if len(ys) > LINEAR_MULTI_OUTPUTS:
-        log.debug("kwker.linear_multi runs its reference: %d outputs, the native op has %d", len(ys),
+    if len(sizes) > LINEAR_MULTI_OUTPUTS:
+        log.debug("kwker.linear_multi runs its reference: %d outputs, the native op has %d", len(sizes),
                   LINEAR_MULTI_OUTPUTS)
-    elif _native("linear_multi", [*ys, *[None] * (LINEAR_MULTI_OUTPUTS - len(ys)), x, weight, bias]):
-        return ys
+    elif weight.dim() == 2 and x.dim() >= 1 and min(sizes, default=-1) >= 0 and sum(sizes) == weight.shape[0]:
+        ys = [x.new_empty((*x.shape[:-1], n)) for n in sizes]
+        if _native("linear_multi", [*ys, *[None] * (LINEAR_MULTI_OUTPUTS - len(ys)), x, weight, bias]):
+            return ys
     return _contiguous(_linear_multi(x, weight, bias, sizes))
 
 
@@ -267,9 +271,20 @@ def attention_output(q, v_cache):
                                 device=q.device)
 
 
+def _sdpa_dtypes(q, k_cache, v_cache, mask) -> bool:
+    """q, k and v of one dtype, a mask bool, float32 or q's: what SDPA takes
+    (the native op also takes caches and masks of other float dtypes)."""
+    return k_cache.dtype == v_cache.dtype == q.dtype and \
+        (mask is None or mask.dtype in (torch.bool, torch.float32, q.dtype))
+
+
 def _cpu_attention(q, k_cache, v_cache, mask, scale):
+    if q.dim() == k_cache.dim() == v_cache.dim() == 4 and k_cache.shape[:-1] != v_cache.shape[:-1]:
+        # SDPA's CPU kernel reads past v's rows instead of refusing them
+        raise ValueError(f"kwker.attention: v_cache {tuple(v_cache.shape)} must have k_cache's "
+                         f"{tuple(k_cache.shape)} batch, heads and positions")
     y = attention_output(q, v_cache)
-    if _native("attention", [y, q, k_cache, v_cache, mask], (), [scale]):
+    if _sdpa_dtypes(q, k_cache, v_cache, mask) and _native("attention", [y, q, k_cache, v_cache, mask], (), [scale]):
         return y
     return y.copy_(_attention(q, k_cache, v_cache, mask, scale))
 
@@ -304,5 +319,38 @@ torch.library.register_fake("kwker::grouped_linear", lambda x, weight, offs: x.n
                             lib=_lib)
 torch.library.register_fake("kwker::attention", lambda q, k_cache, v_cache, mask, scale: attention_output(q, v_cache),
                             lib=_lib)
+
+
+
+# Gradients are the reference's: the backward runs the reference again under
+# autograd. kwker's rewrites never put these ops in a training graph; a direct
+# call with inputs that require grad gets what the op means, not a silent None.
+def _setup_context(ctx, inputs, output):
+    ctx.inputs = inputs
+
+
+def _backward(name):
+    reference = REFERENCE[name]
+
+    def backward(ctx, *grads):
+        grads = [g for gs in grads for g in (gs if isinstance(gs, (list, tuple)) else [gs])]  # Tensor[]: a list
+        wanted = [i for i, t in enumerate(ctx.inputs) if isinstance(t, torch.Tensor) and t.requires_grad]
+        with torch.enable_grad():
+            inputs = [t.detach().requires_grad_() if i in wanted else t for i, t in enumerate(ctx.inputs)]
+            outputs = reference(*inputs)
+            outputs = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
+            pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None and o.requires_grad]
+            got = torch.autograd.grad([o for o, _ in pairs], [inputs[i] for i in wanted], [g for _, g in pairs],
+                                      allow_unused=True) if pairs else [None] * len(wanted)
+        result = [None] * len(ctx.inputs)
+        for i, g in zip(wanted, got):
+            result[i] = g
+        return tuple(result)
+
+    return backward
+
+
+for _name in REFERENCE:
+    torch.library.register_autograd(f"kwker::{_name}", _backward(_name), setup_context=_setup_context, lib=_lib)
 
 ops = torch.ops.kwker

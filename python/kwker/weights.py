@@ -75,7 +75,7 @@ DNNL_MIN_ROWS_OVER_BF16_COPY = _P["DNNL_MIN_M_F32_BF16_COPY"]
 
 def rows_per_call(x: torch.Tensor) -> int:
     """The rows a linear of input x multiplies: every dimension but the last."""
-    return x.numel() // x.shape[-1] if x.dim() else 1
+    return math.prod(x.shape[:-1])
 
 
 # A model's own weight that a linear of fewer rows than this reads as stored is

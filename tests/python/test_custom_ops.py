@@ -153,6 +153,72 @@ def test_calls_the_kernels_would_not_mean_the_same_run_the_reference_eagerly_and
     torch.testing.assert_close(compiled(x, s), REFERENCE["silu_mul"](x, s) * 3 + 1)
 
 
+def _raises_as(call, reference):
+    """call raises the exception type reference raises."""
+    with pytest.raises(Exception) as want:
+        reference()
+    with pytest.raises(want.type):
+        call()
+
+
+def test_calls_the_reference_refuses_are_refused():
+    """Found by a hostile pass: each of these ran natively with another meaning.
+    A tensor of no elements has no data pointer, which the native ops took for
+    an absent bias, mask or weight; the native linear also reads kwker's
+    K-blocked weights; the native attention takes caches and masks of other
+    dtypes than q's."""
+    x, w, b = _rand(3, 8), _rand(4, 8, seed=1), _rand(4, seed=2)
+    q, k, v = _rand(1, 4, 1, 8), _rand(1, 2, 5, 8, seed=1), _rand(1, 2, 5, 8, seed=2)
+    cases = [
+        ("linear", (x, w, torch.empty(0))),
+        ("linear", (x, _rand(2, 2, 4), None)),  # [K / B, N, B] with K / B == N
+        ("linear", (x, torch.tensor(1.0), None)),
+        ("linear_multi", (x, w, torch.empty(0), [2, 2])),
+        ("linear_multi", (x, w, b, [2 ** 40, 4 - 2 ** 40])),
+        ("linear_multi", (x, w, b, [3, 2])),
+        ("attention", (q, k, v, torch.empty(0), 0.3)),
+        ("attention", (q, k.bfloat16(), v.bfloat16(), None, 0.3)),
+        ("attention", (q.bfloat16(), k.bfloat16(), v, None, 0.3)),
+        ("attention", (q, k, v, torch.zeros(1, 1, 1, 5, dtype=BF16), 0.3)),
+    ]
+    for name, args in cases:
+        _raises_as(lambda: getattr(ops, name)(*args), lambda: REFERENCE[name](*args))
+    with pytest.raises(ValueError, match="v_cache \\(1, 2, 4, 8\\) must have k_cache's"):
+        ops.attention(q, k, v[:, :, :4], None, 0.3)  # SDPA's CPU kernel reads past v's rows
+
+
+def test_empty_tensors_and_sdpas_mixed_dtypes_mean_what_the_reference_means(refused):
+    x = _rand(3, 1)
+    for name, args in (("rms_norm", (x, torch.empty(0), 1e-6, NORM_LLAMA)),  # the weight broadcasts: [3, 0]
+                       ("linear", (_rand(3, 0), _rand(4, 0, seed=1), _rand(4, seed=2))),  # K = 0: the bias
+                       ("linear", (_rand(0, 8), _rand(4, 8, seed=1), None))):
+        got, want = getattr(ops, name)(*args), REFERENCE[name](*args)
+        assert got.shape == want.shape, name
+        torch.testing.assert_close(got, want)
+    q, k, v = (_rand(1, 4, 1, 8, dtype=BF16, seed=i) for i in range(3))
+    mask = torch.zeros(1, 1, 1, 1).masked_fill(torch.tensor(False), -torch.inf)  # SDPA takes a float32 mask
+    _assert_equal(ops.attention(q, k, v, mask, 0.3), REFERENCE["attention"](q, k, v, mask, 0.3), BF16)
+    assert "attention" not in refused
+
+
+def test_gradients_through_each_op_are_its_references():
+    """The backward runs the reference again; without it the inputs' .grad
+    stayed None (a custom op without an autograd formula), with a warning."""
+    for name, args in _cases(F32):
+        leaves = [a.clone().requires_grad_() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+                  for a in args]
+        mine = [a.clone().requires_grad_() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+                for a in args]
+        for fn, inputs in ((REFERENCE[name], leaves), (getattr(ops, name), mine)):
+            out = fn(*inputs)
+            outs = out if isinstance(out, (list, tuple)) else [out]
+            sum((o * torch.linspace(-1, 1, o.numel()).view(o.shape)).sum() for o in outs).backward()
+        for want, got in zip(leaves, mine):
+            if isinstance(want, torch.Tensor) and want.requires_grad:
+                assert got.grad is not None, name
+                torch.testing.assert_close(got.grad, want.grad, rtol=1e-4, atol=1e-4, msg=name)
+
+
 def test_an_op_inside_a_plans_fallback_runs_on_that_thread():
     """The plan's pool is busy with the plan: the op runs on the calling thread alone."""
     x, w = _rand(4, 64), _rand(64, seed=1)

@@ -22,6 +22,12 @@ int kw__parse_op_params(const char *name, PyObject *ip_obj, PyObject *fp_obj, kw
     return p->n_fp < 0 ? -1 : 0;
 }
 
+/* What a given tensor of no elements points at: torch gives it a NULL data
+ * pointer, which the ops take for an absent optional tensor (kw__present), so
+ * that an empty bias or mask would be left out where PyTorch refuses its shape.
+ * Nothing is read through it. */
+static _Alignas(64) const unsigned char no_elements[64];
+
 /* The call's tensors (tensors: a tuple, which keeps them alive while the GIL is
  * released): each a CPU tensor or None (an absent optional one). */
 static int read_tensors(PyObject *tensors, const char *op, kw_call *c) {
@@ -36,6 +42,7 @@ static int read_tensors(PyObject *tensors, const char *op, kw_call *c) {
         char what[96];
         snprintf(what, sizeof what, "%s's tensor %zd", op, i);
         if (kw__tensor_read(t, what, &c->t[i])) return -1;
+        if (!c->t[i].data) c->t[i].data = (void *)no_elements;
     }
     return 0;
 }
