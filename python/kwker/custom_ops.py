@@ -321,12 +321,15 @@ torch.library.register_fake("kwker::attention", lambda q, k_cache, v_cache, mask
                             lib=_lib)
 
 
-
 # Gradients are the reference's: the backward runs the reference again under
 # autograd. kwker's rewrites never put these ops in a training graph; a direct
 # call with inputs that require grad gets what the op means, not a silent None.
 def _setup_context(ctx, inputs, output):
-    ctx.inputs = inputs
+    ctx.save_for_backward(*(t for t in inputs if isinstance(t, torch.Tensor)))  # an in-place edit after: an error
+    ctx.others = [_SAVED if isinstance(t, torch.Tensor) else t for t in inputs]
+
+
+_SAVED = object()  # where a tensor input stood among the others (None is an absent optional tensor)
 
 
 def _backward(name):
@@ -334,15 +337,17 @@ def _backward(name):
 
     def backward(ctx, *grads):
         grads = [g for gs in grads for g in (gs if isinstance(gs, (list, tuple)) else [gs])]  # Tensor[]: a list
-        wanted = [i for i, t in enumerate(ctx.inputs) if isinstance(t, torch.Tensor) and t.requires_grad]
+        saved = iter(ctx.saved_tensors)
+        inputs = [next(saved) if t is _SAVED else t for t in ctx.others]
+        wanted = [i for i, need in enumerate(ctx.needs_input_grad) if need]
         with torch.enable_grad():
-            inputs = [t.detach().requires_grad_() if i in wanted else t for i, t in enumerate(ctx.inputs)]
+            inputs = [t.detach().requires_grad_() if i in wanted else t for i, t in enumerate(inputs)]
             outputs = reference(*inputs)
             outputs = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
             pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None and o.requires_grad]
             got = torch.autograd.grad([o for o, _ in pairs], [inputs[i] for i in wanted], [g for _, g in pairs],
                                       allow_unused=True) if pairs else [None] * len(wanted)
-        result = [None] * len(ctx.inputs)
+        result = [None] * len(inputs)
         for i, g in zip(wanted, got):
             result[i] = g
         return tuple(result)

@@ -217,6 +217,12 @@ def test_gradients_through_each_op_are_its_references():
             if isinstance(want, torch.Tensor) and want.requires_grad:
                 assert got.grad is not None, name
                 torch.testing.assert_close(got.grad, want.grad, rtol=1e-4, atol=1e-4, msg=name)
+    x, w = _rand(3, 8).requires_grad_(), _rand(4, 8, seed=1).requires_grad_()
+    y = ops.linear(x, w, None)
+    with torch.no_grad():
+        w.mul_(2)  # after the forward: the backward would recompute with other values
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
 
 
 def test_an_op_inside_a_plans_fallback_runs_on_that_thread():
