@@ -36,7 +36,7 @@ import hashlib
 import json
 import logging
 import os
-import tempfile
+import threading
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -103,15 +103,17 @@ def _checked(record: Record) -> Record:
 
 def remember(key_: str, record: Record) -> None:
     """Written whole or not at all (a temporary file renamed over): another
-    process reading it meanwhile sees the old record or the new one."""
+    process reading it meanwhile sees the old record or the new one. Its mode
+    is the umask's, as Inductor's cache files' (a NamedTemporaryFile's 0600
+    left the record unreadable to the other users of a shared folder)."""
     folder = directory()
     if folder is None:
         return
     written = None
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile("w", dir=folder, suffix=".tmp", delete=False) as f:
-            written = f.name
+        written = folder / f".{key_}.{os.getpid()}.{threading.get_ident()}.tmp"  # this thread's alone
+        with os.fdopen(os.open(written, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666), "w") as f:
             json.dump(asdict(record), f)
         os.replace(written, folder / f"{key_}.json")
     except OSError as e:  # a read-only or full disk: the choice is simply not remembered

@@ -173,6 +173,19 @@ def test_a_record_that_cannot_be_read_or_built_is_tuned_again_and_replaced(conte
     assert choices.Record(**json.loads((choices.directory() / name).read_text())).choice == graph.choice
 
 
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_a_record_is_readable_as_the_umask_says(umask):
+    """As Inductor's cache files: a folder shared by several users (0644 under
+    umask 022) serves each; a NamedTemporaryFile made every record 0600."""
+    old = os.umask(umask)
+    try:
+        choices.remember("a-key", choices.Record("eager", None, {"eager": 1.0}))
+    finally:
+        os.umask(old)
+    assert os.stat(choices.directory() / "a-key.json").st_mode & 0o777 == 0o666 & ~umask
+    assert [p.name for p in choices.directory().iterdir()] == ["a-key.json"]  # no temporary file left
+
+
 class ConvBN(torch.nn.Module):
     def __init__(self):
         super().__init__()
