@@ -118,6 +118,7 @@ def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m kwker.run", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,  # split_argv knows the options' full names only
         usage="%(prog)s [--jemalloc] [--threads N] [--cpus LIST] [--] script.py args... | -m module args...")
     parser.add_argument("--jemalloc", action="store_true", help="preload the system's jemalloc with MALLOC_CONF")
     parser.add_argument("--threads", type=int, help="OMP_NUM_THREADS (kwker's pool follows torch's thread count)")

@@ -109,6 +109,7 @@ def test_module_form_runs_the_module():
     (["--cpus", "3-1"], "--cpus '3-1': expected a list"),
     (["--cpus", "100000"], "--cpus 100000: this process may only use CPUs"),
     (["--threads", "0"], "--threads 0: expected at least 1"),
+    (["--thread", "2"], "unrecognized arguments: --thread"),  # not argparse's abbreviation, which split_argv misread
     ([], "name a script (or -m module) to run"),
 ])
 def test_bad_options_name_the_problem(options, message):
