@@ -228,12 +228,17 @@ def _cpu_gelu_mul(gate, up, approximate):
     return _elementwise(_gelu_mul(gate, up, approximate), gate)
 
 
+def _linear_shapes(x, weight) -> bool:
+    """x [..., K] and weight [N, K] as F.linear takes them: the native ops also
+    read the K-blocked layout of kwker's copies ([K / B, N, B]), which F.linear
+    refuses, so any other weight runs the reference."""
+    return weight.dim() == 2 and x.dim() >= 1
+
+
 def _cpu_linear(x, weight, bias):
     """oneDNN's matmul from the rows where it measured faster (kwker.weights),
-    kwker's linear below them or where matmul_dnnl refuses the weight. The
-    native ops also read the K-blocked layout of kwker's copies ([K / B, N, B]),
-    which F.linear refuses: a weight that is not [N, K] runs the reference."""
-    if weight.dim() == 2 and x.dim() >= 1:
+    kwker's linear below them or where matmul_dnnl refuses the weight."""
+    if _linear_shapes(x, weight):
         y = x.new_empty((*x.shape[:-1], weight.shape[0]))
         slots = [y, x, weight, bias]
         if by_matmul(x.dtype, rows_per_call(x)) and _native("matmul_dnnl", slots) or _native("linear", slots):
@@ -249,7 +254,7 @@ def _cpu_linear_multi(x, weight, bias, sizes):
     if len(sizes) > LINEAR_MULTI_OUTPUTS:
         log.debug("kwker.linear_multi runs its reference: %d outputs, the native op has %d", len(sizes),
                   LINEAR_MULTI_OUTPUTS)
-    elif weight.dim() == 2 and x.dim() >= 1 and min(sizes, default=-1) >= 0 and sum(sizes) == weight.shape[0]:
+    elif _linear_shapes(x, weight) and min(sizes, default=-1) >= 0 and sum(sizes) == weight.shape[0]:
         ys = [x.new_empty((*x.shape[:-1], n)) for n in sizes]
         if _native("linear_multi", [*ys, *[None] * (LINEAR_MULTI_OUTPUTS - len(ys)), x, weight, bias]):
             return ys
@@ -324,12 +329,12 @@ torch.library.register_fake("kwker::attention", lambda q, k_cache, v_cache, mask
 # Gradients are the reference's: the backward runs the reference again under
 # autograd. kwker's rewrites never put these ops in a training graph; a direct
 # call with inputs that require grad gets what the op means, not a silent None.
+_SAVED = object()  # where a tensor input stood among the others (None is an absent optional tensor)
+
+
 def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(*(t for t in inputs if isinstance(t, torch.Tensor)))  # an in-place edit after: an error
     ctx.others = [_SAVED if isinstance(t, torch.Tensor) else t for t in inputs]
-
-
-_SAVED = object()  # where a tensor input stood among the others (None is an absent optional tensor)
 
 
 def _backward(name):

@@ -99,7 +99,6 @@ def _with_constants(gm: torch.fx.GraphModule, constants: dict) -> torch.fx.Graph
     return torch.fx.GraphModule(attrs, graph)
 
 
-# torch's convolutions as Dynamo's graphs call them (nn.ConvNd inlined).
 _BATCH_NORM_PARAMETERS = list(inspect.signature(torch.nn.functional.batch_norm).parameters)
 
 

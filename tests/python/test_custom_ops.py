@@ -196,7 +196,7 @@ def test_empty_tensors_and_sdpas_mixed_dtypes_mean_what_the_reference_means(refu
         assert got.shape == want.shape, name
         torch.testing.assert_close(got, want)
     q, k, v = (_rand(1, 4, 1, 8, dtype=BF16, seed=i) for i in range(3))
-    mask = torch.zeros(1, 1, 1, 1).masked_fill(torch.tensor(False), -torch.inf)  # SDPA takes a float32 mask
+    mask = torch.zeros(1, 1, 1, 1)  # SDPA takes a float32 mask beside a bf16 q
     _assert_equal(ops.attention(q, k, v, mask, 0.3), REFERENCE["attention"](q, k, v, mask, 0.3), BF16)
     assert "attention" not in refused
 
@@ -204,11 +204,12 @@ def test_empty_tensors_and_sdpas_mixed_dtypes_mean_what_the_reference_means(refu
 def test_gradients_through_each_op_are_its_references():
     """The backward runs the reference again; without it the inputs' .grad
     stayed None (a custom op without an autograd formula), with a warning."""
-    for name, args in _cases(F32):
-        leaves = [a.clone().requires_grad_() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
-                  for a in args]
-        mine = [a.clone().requires_grad_() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+    def requiring_grad(args):
+        return [a.clone().requires_grad_() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
                 for a in args]
+
+    for name, args in _cases(F32):
+        leaves, mine = requiring_grad(args), requiring_grad(args)
         for fn, inputs in ((REFERENCE[name], leaves), (getattr(ops, name), mine)):
             out = fn(*inputs)
             outs = out if isinstance(out, (list, tuple)) else [out]
