@@ -10,9 +10,10 @@ storages from these values.
 import torch
 from torch._dynamo.convert_frame import compile_lock
 from torch._guards import detect_fake_mode
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from kwker.lower import NotLowerable
 
@@ -23,7 +24,8 @@ def trace_to_aten(gm: torch.fx.GraphModule, example_inputs) -> torch.fx.GraphMod
     input trace as a symbol (Dynamo's allows it only under fullgraph=True). Raises
     NotLowerable where make_fx cannot follow gm (a branch on a float Dynamo
     made an input: a module's float attribute changed after the first
-    compile), which Inductor may still compile."""
+    compile), which Inductor may still compile, and where gm writes a tensor
+    it holds rather than takes as an input (_RealWritesRefused)."""
     fake_mode = detect_fake_mode(example_inputs) or FakeTensorMode(shape_env=ShapeEnv())
     allowed, fake_mode.allow_scalar_outputs = fake_mode.allow_scalar_outputs, True
     with fake_mode:
@@ -37,9 +39,40 @@ def trace_to_aten(gm: torch.fx.GraphModule, example_inputs) -> torch.fx.GraphMod
             # function then raised "Detected that you are using FX to symbolically trace a
             # dynamo-optimized function" unless a compile session is marked too; the lock keeps
             # two such traces from unmarking each other.
-            with compile_lock, torch.compiler._compile_session_context():
+            with compile_lock, torch.compiler._compile_session_context(), _RealWritesRefused():
                 return make_fx(gm, tracing_mode="real", _disable_torch_fn_metadata_mode=True)(*fake_inputs)
+        except _RealWrite as e:
+            raise NotLowerable(str(e)) from e
         except Exception as e:  # noqa: BLE001 - any failure of the trace: the graph is not kwker's to replay
             raise NotLowerable(f"kwker's ATen trace failed ({type(e).__name__}: {e})") from e
         finally:
             fake_mode.allow_scalar_outputs = allowed
+
+
+class _RealWrite(Exception):
+    pass
+
+
+class _RealWritesRefused(TorchDispatchMode):
+    """Refuses, before it runs, an op of the trace that writes a real tensor.
+
+    The inputs are traced as fakes, but a tensor Dynamo holds as an attribute of
+    gm (an optimizer's state and parameters: `torch.compile(opt.step)`) is
+    real, and the fake mode runs an op whose tensors are all real for real (it
+    folds constants): `step += 1` or `buf.mul_(momentum)` then updated the
+    optimizer once more at every compile, after which the trace failed on the
+    next op that mixed real and fake tensors. Such a graph is not kwker's to
+    replay: its writes reach no input, so neither a plan nor the tuner's put-back
+    of written inputs would see them (it goes to Inductor)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for i, arg in enumerate(func._schema.arguments):
+            if arg.alias_info is None or not arg.alias_info.is_write:
+                continue
+            value = kwargs.get(arg.name) if arg.kwarg_only or i >= len(args) else args[i]
+            for t in value if isinstance(value, (list, tuple)) else (value,):
+                if isinstance(t, torch.Tensor) and not is_fake(t):
+                    raise _RealWrite(f"the graph writes a tensor it holds rather than takes as an input "
+                                     f"({func}: an optimizer's state, a module's attribute), which kwker does not replay")
+        return func(*args, **kwargs)

@@ -503,3 +503,34 @@ def test_a_kwker_error_compiling_a_decode_step_is_logged_and_the_step_compiled_e
         logger.removeHandler(handler)
     assert any("AttributeError: a lowering bug" in r.getMessage() for r in records)
     assert "decode-replay" not in kinds() and kinds(), kwker.report()
+
+
+# ---- 11. tensors a graph holds rather than takes as inputs ------------------------------------------
+
+
+@pytest.mark.parametrize("make_optimizer", [
+    lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
+    lambda params: torch.optim.AdamW(params, lr=1e-2),
+], ids=["sgd-momentum", "adamw"])
+def test_a_compiled_optimizer_step_updates_its_state_once_per_call_as_eager(make_optimizer):
+    """Dynamo holds an optimizer's parameters and state as attributes of its
+    graph, real tensors: kwker's trace to ATen once ran `step += 1` and
+    `momentum_buffer.mul_(0.9)` on them for real (an extra update at every
+    compile) before it failed and the graph went to Inductor."""
+    def train(compiled):
+        torch.manual_seed(0)
+        layer = torch.nn.Linear(8, 8)
+        opt = make_optimizer(layer.parameters())
+        step = torch.compile(opt.step, backend="kwker") if compiled else opt.step
+        for i in range(3):
+            layer(torch.randn(4, 8, generator=torch.Generator().manual_seed(i))).pow(2).mean().backward()
+            step()
+            opt.zero_grad()
+        return [p.detach().clone() for p in layer.parameters()], opt.state_dict()["state"]
+
+    (params, state), (want_params, want_state) = train(compiled=True), train(compiled=False)
+    for got, want in zip(params, want_params):
+        torch.testing.assert_close(got, want)
+    for got, want in zip(state.values(), want_state.values()):
+        torch.testing.assert_close(got, want)
+    assert any("writes a tensor it holds" in g.why for g in summary.graphs()), kwker.report()
