@@ -919,6 +919,24 @@ class _StackAndSquare(torch.nn.Module):
         return rotated, torch.relu(h).pow(2), h.pow(2.0), h.pow(3), (h > 0).pow(2)
 
 
+class _CatsWithEmpties(torch.nn.Module):
+    """torch.cat skips a legacy empty (0,) tensor beside 2-D ones."""
+
+    def forward(self, x, legacy_empty, empty_rows):
+        return torch.cat([legacy_empty, x * 2, empty_rows], dim=-1), torch.cat([x[:0], x, legacy_empty], dim=0)
+
+
+def test_cats_with_empty_inputs_are_native_steps_equal_to_eagers():
+    from kwker.aten_graph import trace_to_aten
+    from kwker.lower import lower_to_plan
+
+    inputs = [torch.randn(4, 8), torch.empty(0), torch.empty(4, 0)]
+    plan, report = lower_to_plan(trace_to_aten(_CatsWithEmpties(), inputs), inputs, [])
+    assert report.fallback_ops == [], report.fallback_ops
+    for got, want in zip(plan(*inputs), _CatsWithEmpties()(*inputs)):
+        assert torch.equal(got, want)
+
+
 class _Clamps(torch.nn.Module):
     """OLMo clips its queries, keys and values in place; bounds that bf16 cannot hold."""
 
