@@ -253,6 +253,26 @@ def test_an_inference_graph_is_tuned_and_gives_eagers_outputs():
     assert f"tuned: {graph.choice}" in kwker.report()
 
 
+def test_a_plan_that_fails_to_build_by_a_bug_of_kwkers_is_logged_with_its_traceback(monkeypatch, caplog):
+    """A plan's failure other than NotLowerable is kwker's bug: the tuning goes
+    on without the plan, and the warning shows where (a cat over a legacy empty
+    tensor once raised IndexError there, seen only among the candidates left out)."""
+    import kwker.dynamo_backend as backend
+
+    def broken(*args, **kwargs):
+        raise IndexError("a lowering bug")
+
+    monkeypatch.setattr(backend, "compile_plan", broken)
+    mlp = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 32)).eval()
+    x = torch.randn(4, 64)
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="kwker.dynamo_backend"):
+        torch.testing.assert_close(torch.compile(mlp, backend="kwker")(x), mlp(x), rtol=1e-4, atol=1e-5)
+    (graph,) = summary.graphs()
+    assert graph.left_out["plan"] == "IndexError: a lowering bug", kwker.report()
+    (record,) = [r for r in caplog.records if "plan of a graph failed to build" in r.getMessage()]
+    assert record.exc_info is not None and record.exc_info[0] is IndexError
+
+
 @pytest.mark.usefixtures("virtual_time")
 def test_the_first_call_gets_the_tunings_outputs_only_for_the_very_inputs_unchanged():
     runs = {}
