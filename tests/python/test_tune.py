@@ -981,3 +981,19 @@ def test_an_inference_graph_with_random_ops_goes_to_inductor_untimed():
         torch.compile(mlp, backend="kwker")(torch.randn(4, 8))
     (graph,) = summary.graphs()
     assert graph.kind == "inductor" and "random ops" in graph.why, kwker.report()
+
+
+def test_a_prefill_into_generates_default_dynamic_cache_is_a_plan_candidate():
+    """transformers' DynamicCache starts each layer as torch.tensor([]) and cats
+    the first keys onto it: a legacy empty (0,) tensor beside 4-D ones, which
+    the plan's cat lowering once refused with an IndexError for every prefill."""
+    from kwker.testing import small_model
+
+    model, prompt = small_model("llama"), torch.tensor([[3, 17, 42, 9, 7]])
+    with torch.no_grad():
+        want = model(prompt, use_cache=True).logits
+        model.forward = torch.compile(model.forward, backend="kwker")
+        got = model(prompt, use_cache=True).logits
+    torch.testing.assert_close(got, want)
+    (graph,) = summary.graphs()
+    assert "plan" in graph.candidates, kwker.report()
