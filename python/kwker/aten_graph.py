@@ -65,8 +65,14 @@ class _RealWritesRefused(TorchDispatchMode):
     replay: its writes reach no input, so neither a plan nor the tuner's put-back
     of written inputs would see them (it goes to Inductor)."""
 
+    # A higher-order op (cond, flex_attention) passes through: make_fx traces its
+    # subgraphs' ops with this mode on the stack, so each of them is checked.
+    supports_higher_order_operators = True
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if not isinstance(func, torch._ops.OpOverload):
+            return func(*args, **kwargs)
         for i, arg in enumerate(func._schema.arguments):
             if arg.alias_info is None or not arg.alias_info.is_write:
                 continue

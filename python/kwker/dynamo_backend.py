@@ -15,7 +15,7 @@ from kwker.lower import NotLowerable, first_over_storage
 from kwker.options import KwkerOptions, parse_options
 from kwker.plan import compile_plan, inputs_written, reserve_weights
 from kwker.rewrite import rewrite_language_model
-from kwker.rewrite.match import draws_random_numbers
+from kwker.rewrite.match import why_run_only_as_called
 from kwker.routing import route_graph, size_inputs, unfit_for_kernels
 from kwker.threads import warn_once_if_openmp_spins
 from kwker.tune import TRAINING_TOLERANCE, FirstCallServed, choose, forward_and_backward
@@ -86,7 +86,7 @@ def tune_inference(gm: torch.fx.GraphModule, example_inputs, opts: KwkerOptions)
     on this call's inputs, the fastest kept (kwker.tune). The inputs the graph
     writes are put back after every run. A graph with random ops goes to
     Inductor untimed, as before tuning: every candidate draws other numbers
-    than eager, the truth. Where this graph was tuned before, in this process
+    than eager, the truth; so does one with an op of another library (traced). Where this graph was tuned before, in this process
     or another, the candidate then kept is built alone (kwker.choices)."""
     key = choices.key("inference", gm, example_inputs, opts)
     plan_detail = {}
@@ -162,7 +162,7 @@ def tune_training(gm: torch.fx.GraphModule, example_inputs, opts: KwkerOptions):
     fastest kept. kwker's own ops have no backward formulas: no plan here. A
     graph with random ops goes to Inductor untimed (Inductor draws its own
     random numbers, so no two candidates' outputs could be compared), and so
-    does one that writes an input requiring grad or a view (autograd would
+    does one with an op of another library (traced), one that writes an input requiring grad or a view (autograd would
     record every timing run's write) or whose inputs have gradient hooks (the timing's
     backward passes would call them). A choice remembered from an earlier
     tuning of this graph is built alone (kwker.choices)."""
@@ -201,7 +201,8 @@ def traced(gm: torch.fx.GraphModule, example_inputs):
     """(ATen graph, the inputs it writes in place, None) for a graph to tune,
     or (..., why not) for one Inductor compiles untimed: one kwker's trace
     cannot follow (Inductor may), one with random ops (no candidate draws the
-    numbers eager draws), or one whose written inputs (a KV cache) hold
+    numbers eager draws) or ops of another library (a custom op may draw them,
+    or count its calls: rewrite.match.why_run_only_as_called), or one whose written inputs (a KV cache) hold
     more than WRITTEN_BYTES_TO_TUNE, which tuning would copy to put back after
     each run. The caller compiles with Inductor outside any `except` block:
     inside the one that caught the trace's failure, Inductor's compile of a
@@ -211,9 +212,9 @@ def traced(gm: torch.fx.GraphModule, example_inputs):
         aten_gm = trace_to_aten(gm, example_inputs)
     except NotLowerable as e:
         return None, [], str(e)
-    random = next((n for n in aten_gm.graph.nodes if draws_random_numbers(n)), None)
-    if random is not None:  # Inductor's, the plan's and eager's outputs could not be compared
-        return aten_gm, [], f"random ops ({random.target}): each candidate draws its own random numbers; not timed"
+    once = next(filter(None, map(why_run_only_as_called, aten_gm.graph.nodes)), None)
+    if once:
+        return aten_gm, [], f"{once}: each candidate's run would be a call eager does not make; not timed"
     found = inputs_written(aten_gm, example_inputs)
     written = list({id(x): x for _, _, x in found}.values())
     size = sum(x.nbytes for x in written)

@@ -23,7 +23,7 @@ from torch.fx import Node
 
 from kwker import _C
 from kwker.custom_ops import GELU_MODES, LINEAR_MULTI_OUTPUTS, ROTARY_HALF, ops
-from kwker.rewrite.match import convolution_parameters, draws_random_numbers, native_convolution, val
+from kwker.rewrite.match import convolution_parameters, native_convolution, val, why_run_only_as_called
 from kwker.weights import HUGE_PAGES_BELOW_ROWS, CopiedWeight, by_matmul, rows_per_call
 
 aten = torch.ops.aten
@@ -211,7 +211,12 @@ class _Lowering:
                 self.declare_input(node, self.placeholder_index[node])
         elif node.op == "get_attr":
             copy = self.copies.get(node.target)
-            self.declare_constant(node, copy.copy if copy else getattr(self.gm, node.target))
+            value = copy.copy if copy else getattr(self.gm, node.target)
+            if not isinstance(value, torch.Tensor):  # a higher-order op's subgraph, a quantized linear's packed weight
+                users = ", ".join(sorted({str(u.target) for u in node.users}))
+                kind = "subgraph" if isinstance(value, torch.fx.GraphModule) else type(value).__name__
+                raise NotLowerable(f"{node.target} is a {kind}, not a tensor (read by {users}): plans hold tensors only")
+            self.declare_constant(node, value)
         elif node.op == "call_function":
             self.lower_call(node)
 
@@ -219,7 +224,7 @@ class _Lowering:
         if node.target is operator.getitem or node in self.done:
             return  # the producing op declared every output it writes; or another step did this one
         inputs = [a for a in _flat((node.args, node.kwargs)) if isinstance(a, Node)]
-        if all(a in self.folded for a in inputs) and not draws_random_numbers(node):
+        if all(a in self.folded for a in inputs) and not why_run_only_as_called(node):
             return self.fold(node)
         vals = _tensor_vals(node)
         if _is_view_op(node) or (len(vals) == 1 and storage_key(vals[0]) in self.buffers and not _is_inplace_op(node)):
@@ -297,7 +302,7 @@ class _Lowering:
             return None  # written in place later: its value is not the one it was made with
         if node.op == "get_attr" and node.target not in self.copies:
             return getattr(self.gm, node.target)
-        if node.op != "call_function" or node.target is operator.getitem or draws_random_numbers(node):
+        if node.op != "call_function" or node.target is operator.getitem or why_run_only_as_called(node):
             return None
         values = {a: self.constant(a) for a in _flat((node.args, node.kwargs)) if isinstance(a, Node)}
         return None if any(v is None for v in values.values()) else _evaluate(node, values)

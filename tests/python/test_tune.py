@@ -983,6 +983,61 @@ def test_an_inference_graph_with_random_ops_goes_to_inductor_untimed():
     assert graph.kind == "inductor" and "random ops" in graph.why, kwker.report()
 
 
+_NOISY_CALLS = []
+
+
+@torch.library.custom_op("kwker_test::noisy", mutates_args=())
+def _noisy(x: torch.Tensor) -> torch.Tensor:
+    _NOISY_CALLS.append(x.shape)
+    return x + torch.rand_like(x)
+
+
+@_noisy.register_fake
+def _noisy_fake(x):
+    return torch.empty_like(x)
+
+
+def test_a_custom_op_runs_once_a_call_drawing_what_eager_draws():
+    """kwker cannot see into another library's op, which may draw random
+    numbers (this one) or count its calls: the tuning ran it once per candidate
+    and round, and served the first call from a run at a later generator state."""
+    def noisy_relu(x):
+        return _noisy(x * 2).relu()
+
+    def three_calls(fn):
+        torch.manual_seed(0)
+        with torch.no_grad():
+            return [fn(torch.ones(8)) for _ in range(3)], torch.rand(4)
+
+    want, want_after = three_calls(noisy_relu)
+    _NOISY_CALLS.clear()
+    got, got_after = three_calls(torch.compile(noisy_relu, backend="kwker"))
+    assert len(_NOISY_CALLS) == 3
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    assert torch.equal(got_after, want_after)  # the generator where eager leaves it
+    (graph,) = summary.graphs()
+    assert graph.kind == "inductor" and "kwker_test.noisy" in graph.why, kwker.report()
+
+
+def test_a_graph_with_a_cond_is_tuned_and_one_drawing_random_numbers_in_a_branch_is_not():
+    w = torch.randn(8, 8)
+
+    def either(x):
+        return torch.cond(x.sum() > 0, lambda x: (x @ w).relu(), lambda x: (x @ w).sigmoid(), (x,))
+
+    def noisy_branch(x):
+        return torch.cond(x.sum() > 0, lambda x: x + torch.rand_like(x), lambda x: x - 1, (x,))
+
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(torch.compile(either, backend="kwker")(x), either(x))
+        torch.compile(noisy_branch, backend="kwker")(x.abs())
+    tuned, untimed = summary.graphs()
+    assert tuned.kind == "tuned" and "subgraph, not a tensor (read by cond)" in tuned.left_out["plan"], kwker.report()
+    assert untimed.kind == "inductor" and "cond over random ops" in untimed.why, kwker.report()
+
+
 def test_a_prefill_into_generates_default_dynamic_cache_is_a_plan_candidate():
     """transformers' DynamicCache starts each layer as torch.tensor([]) and cats
     the first keys onto it: a legacy empty (0,) tensor beside 4-D ones, which

@@ -38,12 +38,42 @@ def convolution_operands(conv: Node) -> tuple:
                  for i, name in enumerate(("input", "weight", "bias")))
 
 
-def draws_random_numbers(node: Node) -> bool:
-    """An op PyTorch tags as seeded from the random generator, other than an
-    attention whose dropout_p is 0 (tagged for its dropout, it draws nothing):
-    never timed against another candidate, never folded into a constant."""
-    return torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ()) and \
-        op_arguments(node).get("dropout_p") != 0.0
+# The libraries whose ops kwker sees into: each computes its outputs and writes
+# what its schema marks written, and is tagged where it draws random numbers.
+OPS_SEEN_INTO = frozenset({"aten", "prims", "quantized", "kwker"})
+
+
+def why_run_only_as_called(node: Node) -> str | None:
+    """Why node must run exactly as often as eager runs it, at its turn — never
+    timed against another candidate (each run a call eager does not make),
+    never folded into a constant — or None. An op PyTorch tags as seeded from
+    the random generator, other than an attention whose dropout_p is 0 (tagged
+    for its dropout, it draws nothing); an op of another library (a user's
+    torch.library.custom_op may draw random numbers, print or count its calls);
+    a higher-order op (cond, flex_attention) with either in its subgraphs."""
+    target = node.target
+    if isinstance(target, torch._ops.HigherOrderOperator):
+        inner = [a for a in _flat_args(node) if isinstance(a, torch._ops.OpOverload)]  # auto_functionalized's op
+        subgraphs = [getattr(node.graph.owning_module, a.target) for a in _flat_args(node)
+                     if isinstance(a, Node) and a.op == "get_attr"]
+        whys = [_why_op(op) for op in inner] + [why_run_only_as_called(n) for g in subgraphs
+                                                 if isinstance(g, torch.fx.GraphModule) for n in g.graph.nodes]
+        return next((f"{target.name()} over {why}" for why in whys if why), None)
+    if not isinstance(target, torch._ops.OpOverload):
+        return None
+    if torch.Tag.nondeterministic_seeded in target.tags and op_arguments(node).get("dropout_p") != 0.0:
+        return f"random ops ({target})"
+    return _why_op(target)
+
+
+def _why_op(op: torch._ops.OpOverload) -> str | None:
+    if op.namespace not in OPS_SEEN_INTO:
+        return f"an op kwker cannot see into ({op}: it may draw random numbers or act outside the graph)"
+    return None
+
+
+def _flat_args(node: Node) -> list:
+    return torch.utils._pytree.tree_leaves((node.args, node.kwargs))
 
 
 def fuse_each(gm: torch.fx.GraphModule, targets: tuple, fuse_one) -> int:
