@@ -169,9 +169,10 @@ def choose(builders: dict[str, Callable[[], Callable]], inputs: list, reference:
            run: Callable[[Callable, list], list] = call, written: list | tuple = (),
            tolerance: dict = TOLERANCE, gates: dict[str, Gate] | None = None) -> Choice:
     """builders: name -> a function that compiles that candidate and returns
-    what to call. The reference's failures to build or run propagate; the
-    others' are logged. truth: the candidate whose outputs the others must give
-    (the reference when None, or when the truth itself fails).
+    what to call. A candidate that fails to build or run is left out, logged;
+    the reference's failure propagates where there is no truth, or the truth
+    fails too. truth: the candidate whose outputs the others must give (the
+    reference when None, or when the truth itself fails).
     run: one timed run of a candidate (`call`, or `forward_and_backward` with
     TRAINING_TOLERANCE as the tolerance).
     written: the inputs the graph writes in place, put back as they were after
@@ -191,17 +192,18 @@ def choose(builders: dict[str, Callable[[], Callable]], inputs: list, reference:
     saved = [(x, x.detach().clone(), x.requires_grad) for x in written]
 
     def run_and_restore(fn):
-        out = run(fn, inputs)
-        if saved:
-            out = [t.clone() if isinstance(t, torch.Tensor) else t for t in _flat_tensors(out)]
+        try:  # put back after a run that fails too: it may have written them before it raised
+            out = run(fn, inputs)
+            return [t.clone() if isinstance(t, torch.Tensor) else t for t in _flat_tensors(out)] if saved else out
+        finally:
             with torch.no_grad():
                 for x, before, had_history in saved:
                     x.copy_(before)
                     if x.requires_grad and not had_history:
                         x.detach_()
-        return out
 
     built, outputs, left_out, times, first = {}, {}, {}, {}, {}
+    reference_failure = None
     for name, build in builders.items():
         gate = (gates or {}).get(name)
         if gate is not None:
@@ -220,10 +222,14 @@ def choose(builders: dict[str, Callable[[], Callable]], inputs: list, reference:
                 first[name] = time.perf_counter() - ran
             built[name] = fn
         except Exception as e:
-            if name == reference:
+            if name == reference and truth is None:
                 raise
+            if name == reference:
+                reference_failure = e
             left_out[name] = f"{type(e).__name__}: {e}"
         log.info("candidate %s built in %.2f s, run once in %.3f s", name, ran - start, time.perf_counter() - ran)
+    if reference_failure is not None and truth not in built:
+        raise reference_failure
     truth = truth if truth in built else reference
     for name in list(built):
         why = _differs(outputs[name], outputs[truth], tolerance, truth) if name != truth else None

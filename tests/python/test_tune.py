@@ -225,6 +225,24 @@ def test_a_candidate_that_fails_or_gives_other_outputs_is_left_out_with_the_reas
 
 
 @pytest.mark.usefixtures("virtual_time")
+def test_a_reference_that_fails_after_writing_an_input_is_left_out_for_the_truth_and_the_input_put_back():
+    """A training graph that writes a buffer from its output: stock Inductor's
+    backward raised (torch 2.13), the write stayed, and eager's run after it
+    backpropagated through the failed run's freed graph: the compile failed."""
+    x = torch.zeros(3)
+
+    def fails_after_writing(*inputs):
+        inputs[0].add_(1)
+        raise TypeError("expected Tensor() for op: input")
+
+    choice = choose({"ref": lambda: fails_after_writing, "truth": taking(0.0, x + 1)}, [x], "ref", truth="truth",
+                    written=[x])
+    assert choice.name == "truth" and choice.left_out["ref"] == "TypeError: expected Tensor() for op: input"
+    assert torch.equal(x, torch.zeros(3))
+    with pytest.raises(TypeError, match="expected Tensor"):  # nothing to fall back on
+        choose({"ref": lambda: fails_after_writing, "truth": lambda: fails_after_writing}, [x], "ref", truth="truth")
+
+
 def test_outputs_are_checked_against_the_truth_and_a_reference_that_differs_is_left_out():
     x = torch.ones(3)
     choice = choose({"ref": taking(0.0, x + 1), "truth": taking(0.02, x), "other": taking(0.01, x)}, [], "ref",
