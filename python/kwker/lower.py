@@ -943,14 +943,14 @@ def _lower_copy(lw: _Lowering, node: Node):
 
 
 def _lower_cat(lw: _Lowering, node: Node):
-    """One copy per input into its slice of the output. An empty input copies
-    nothing: cat skips a 1-D one of shape (0,) beside inputs of more dims
-    (PyTorch's legacy empty tensor; GPT-2's forward without a cache makes one),
-    which has no such dim to take a slice along."""
+    """One copy per input into its slice of the output. cat skips a 1-D input
+    of shape (0,) beside inputs of more dims (PyTorch's legacy empty tensor:
+    transformers' DynamicCache starts each layer as one), which has no such dim
+    to take a slice along."""
     out = val(node)
     dim = (node.args[1] if len(node.args) > 1 else 0) % out.dim()
     start = 0
-    for t in (t for t in node.args[0] if val(t).numel()):
+    for t in (t for t in node.args[0] if val(t).shape != (0,) or out.dim() == 1):
         piece = out.narrow(dim, start, val(t).shape[dim])
         lw.op(node, "convert", [lw.view(piece), lw.view(val(t))])
         start += val(t).shape[dim]

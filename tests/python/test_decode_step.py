@@ -920,10 +920,12 @@ class _StackAndSquare(torch.nn.Module):
 
 
 class _CatsWithEmpties(torch.nn.Module):
-    """torch.cat skips a legacy empty (0,) tensor beside 2-D ones."""
+    """torch.cat skips a legacy empty (0,) tensor beside 2-D ones; cats of
+    nothing but empty tensors still make their (empty) outputs."""
 
     def forward(self, x, legacy_empty, empty_rows):
-        return torch.cat([legacy_empty, x * 2, empty_rows], dim=-1), torch.cat([x[:0], x, legacy_empty], dim=0)
+        return (torch.cat([legacy_empty, x * 2, empty_rows], dim=-1), torch.cat([x[:0], x, legacy_empty], dim=0),
+                torch.cat([legacy_empty, legacy_empty]) + 1, torch.cat([empty_rows, empty_rows], dim=1) + 1)
 
 
 def test_cats_with_empty_inputs_are_native_steps_equal_to_eagers():

@@ -243,6 +243,20 @@ def test_a_reference_that_fails_after_writing_an_input_is_left_out_for_the_truth
         choose({"ref": lambda: fails_after_writing, "truth": lambda: fails_after_writing}, [x], "ref", truth="truth")
 
 
+@pytest.mark.usefixtures("virtual_time")
+def test_with_the_reference_left_out_the_truth_stands_in_for_it_where_first_runs_are_long():
+    """Over the budget the first runs are the round, with the reference's
+    steady call beside them: a reference that failed had none (KeyError)."""
+    x = torch.ones(3)
+
+    def fails(*inputs):
+        raise RuntimeError("inductor's run failed")
+
+    choice = choose({"ref": lambda: fails, "truth": taking(1.0, x), "other": taking(0.6, x)}, [], "ref",
+                    truth="truth")
+    assert choice.name == "other" and set(choice.ms) == {"truth", "other"} and "ref" in choice.left_out
+
+
 def test_outputs_are_checked_against_the_truth_and_a_reference_that_differs_is_left_out():
     x = torch.ones(3)
     choice = choose({"ref": taking(0.0, x + 1), "truth": taking(0.02, x), "other": taking(0.01, x)}, [], "ref",
@@ -1036,6 +1050,20 @@ def test_a_custom_op_runs_once_a_call_drawing_what_eager_draws():
     assert torch.equal(got_after, want_after)  # the generator where eager leaves it
     (graph,) = summary.graphs()
     assert graph.kind == "inductor" and "kwker_test.noisy" in graph.why, kwker.report()
+
+
+def test_an_aten_op_registered_with_effects_runs_once_a_call(capfd):
+    def printing(x):
+        torch.ops.aten._print("kwker-test-printed")
+        return x * 2
+
+    with torch.no_grad():
+        compiled = torch.compile(printing, backend="kwker")
+        for _ in range(2):
+            compiled(torch.ones(3))
+    assert capfd.readouterr().out.count("kwker-test-printed") == 2
+    (graph,) = summary.graphs()
+    assert graph.kind == "inductor" and "effects" in graph.why, kwker.report()
 
 
 def test_a_graph_with_a_cond_is_tuned_and_one_drawing_random_numbers_in_a_branch_is_not():

@@ -1,6 +1,7 @@
 """Small predicates the rewrites and the lowering use to read an ATen graph."""
 
 import torch
+from torch._higher_order_ops.effects import has_effects
 from torch.fx import Node
 
 aten = torch.ops.aten
@@ -39,8 +40,10 @@ def convolution_operands(conv: Node) -> tuple:
 
 
 # The libraries whose ops kwker sees into: each computes its outputs and writes
-# what its schema marks written, and is tagged where it draws random numbers.
-OPS_SEEN_INTO = frozenset({"aten", "prims", "quantized", "kwker"})
+# what its schema marks written, is tagged where it draws random numbers and
+# registered where it has other effects (aten._print). PyTorch's own
+# (quantized_decomposed: PT2E's quantize and dequantize) and kwker's.
+OPS_SEEN_INTO = frozenset({"aten", "prims", "quantized", "quantized_decomposed", "kwker"})
 
 
 def why_run_only_as_called(node: Node) -> str | None:
@@ -69,6 +72,8 @@ def why_run_only_as_called(node: Node) -> str | None:
 def _why_op(op: torch._ops.OpOverload) -> str | None:
     if op.namespace not in OPS_SEEN_INTO:
         return f"an op kwker cannot see into ({op}: it may draw random numbers or act outside the graph)"
+    if has_effects(op):
+        return f"an op with effects outside the graph ({op})"
     return None
 
 
