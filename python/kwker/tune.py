@@ -204,11 +204,35 @@ def choose(builders: dict[str, Callable[[], Callable]], inputs: list, reference:
 
     built, outputs, left_out, times, first = {}, {}, {}, {}, {}
     reference_failure = None
+
+    def timed_run(fn):
+        try:
+            return run_and_restore(fn)
+        except Exception as e:
+            raise _LaterRunFailed(next(n for n, f in built.items() if f is fn), e) from e
+
+    def measured(measure):
+        """measure(), again without each candidate whose later run fails: it is
+        left out as one whose first run fails (a reference so, for the truth)."""
+        nonlocal reference
+        while True:
+            try:
+                with _collector_paused():
+                    return measure()
+            except _LaterRunFailed as failed:
+                left_out[failed.name] = f"{type(failed.error).__name__}: {failed.error} (a later run)"
+                log.warning("candidate %s left out: %s", failed.name, left_out[failed.name])
+                for found in (built, outputs, times, first):
+                    found.pop(failed.name, None)
+                if not built:
+                    raise failed.error from None
+                if failed.name == reference:
+                    reference = truth if truth in built else next(iter(built))
+
     for name, build in builders.items():
         gate = (gates or {}).get(name)
         if gate is not None:
-            with _collector_paused():
-                steady = _gate_ms(built, outputs, times, truth or reference, tolerance, run_and_restore)
+            steady = measured(lambda: _gate_ms(built, outputs, times, truth or reference, tolerance, timed_run))
             why = gate(steady)
             if why:
                 left_out[name] = why
@@ -240,17 +264,24 @@ def choose(builders: dict[str, Callable[[], Callable]], inputs: list, reference:
         (log.warning if name == reference else log.info)("candidate %s left out: %s", name, why)
     if reference not in built:  # the truth then stands in for it: the time the others must beat
         reference = truth
-    with _collector_paused():
-        ms = _first_runs_ms(first, times, built, reference, run_and_restore)
-        how = "first runs" if ms else "medians"
-        if ms is None:
-            ms = _median_ms(built, run_and_restore, {name: t for name, t in times.items() if name in built},
-                            reference, first)
+    ms = measured(lambda: _first_runs_ms(first, times, built, reference, timed_run))
+    how = "first runs" if ms else "medians"
+    if ms is None:
+        ms = measured(lambda: _median_ms(built, timed_run, {name: t for name, t in times.items() if name in built},
+                                         reference, first))
     best = _fastest(ms, reference)
     log.info("candidates (%s) %s: %s kept", how, ", ".join(f"{n} {t:.3f} ms" for n, t in ms.items()), best)
     rest = {n: t for n, t in ms.items() if n != best}
     fallback = _fastest(rest, reference) if best != reference and rest else None
     return Choice(best, built[best], ms, left_out, fallback, built, None if saved else outputs[best])
+
+
+class _LaterRunFailed(Exception):
+    """A candidate's run after its first (a gate's or a timing round's) raised."""
+
+    def __init__(self, name: str, error: Exception):
+        super().__init__(name, error)
+        self.name, self.error = name, error
 
 
 @contextlib.contextmanager

@@ -257,6 +257,31 @@ def test_with_the_reference_left_out_the_truth_stands_in_for_it_where_first_runs
     assert choice.name == "other" and set(choice.ms) == {"truth", "other"} and "ref" in choice.left_out
 
 
+@pytest.mark.usefixtures("virtual_time")
+def test_a_candidate_whose_later_run_fails_is_left_out_and_the_truth_stands_in_for_a_reference_so():
+    x = torch.ones(3)
+
+    def failing_from_run(n, seconds):
+        runs = []
+
+        def run(*inputs):
+            runs.append(1)
+            if len(runs) >= n:
+                raise RuntimeError(f"failed at run {len(runs)}")
+            kwker.tune.time.sleep(seconds)
+            return (x.clone(),)
+
+        return lambda: run
+
+    choice = choose({"ref": taking(0.02, x), "flaky": failing_from_run(3, 0.01)}, [], "ref")
+    assert choice.name == "ref" and choice.left_out["flaky"] == "RuntimeError: failed at run 3 (a later run)"
+    choice = choose({"ref": failing_from_run(2, 0.01), "truth": taking(0.02, x), "other": taking(0.03, x)}, [],
+                    "ref", truth="truth")
+    assert choice.name == "truth" and set(choice.ms) == {"truth", "other"}, choice
+    with pytest.raises(RuntimeError, match="failed at run 2"):  # nothing else to keep
+        choose({"ref": failing_from_run(2, 0.01)}, [], "ref")
+
+
 def test_outputs_are_checked_against_the_truth_and_a_reference_that_differs_is_left_out():
     x = torch.ones(3)
     choice = choose({"ref": taking(0.0, x + 1), "truth": taking(0.02, x), "other": taking(0.01, x)}, [], "ref",
