@@ -79,6 +79,6 @@ class _RealWritesRefused(TorchDispatchMode):
             value = kwargs.get(arg.name) if arg.kwarg_only or i >= len(args) else args[i]
             for t in value if isinstance(value, (list, tuple)) else (value,):
                 if isinstance(t, torch.Tensor) and not is_fake(t):
-                    raise _RealWrite(f"the graph writes a tensor it holds rather than takes as an input "
-                                     f"({func}: an optimizer's state, a module's attribute), which kwker does not replay")
+                    raise _RealWrite(f"the graph writes a tensor it holds rather than takes as an input ({func}: "
+                                     "an optimizer's state, a module's attribute), which kwker does not replay")
         return func(*args, **kwargs)

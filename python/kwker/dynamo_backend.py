@@ -86,8 +86,9 @@ def tune_inference(gm: torch.fx.GraphModule, example_inputs, opts: KwkerOptions)
     on this call's inputs, the fastest kept (kwker.tune). The inputs the graph
     writes are put back after every run. A graph with random ops goes to
     Inductor untimed, as before tuning: every candidate draws other numbers
-    than eager, the truth; so does one with an op of another library (traced). Where this graph was tuned before, in this process
-    or another, the candidate then kept is built alone (kwker.choices)."""
+    than eager, the truth; so does one with an op of another library
+    (traced). Where this graph was tuned before, in this process or another,
+    the candidate then kept is built alone (kwker.choices)."""
     key = choices.key("inference", gm, example_inputs, opts)
     plan_detail = {}
 
@@ -162,9 +163,10 @@ def tune_training(gm: torch.fx.GraphModule, example_inputs, opts: KwkerOptions):
     fastest kept. kwker's own ops have no backward formulas: no plan here. A
     graph with random ops goes to Inductor untimed (Inductor draws its own
     random numbers, so no two candidates' outputs could be compared), and so
-    does one with an op of another library (traced), one that writes an input requiring grad or a view (autograd would
-    record every timing run's write) or whose inputs have gradient hooks (the timing's
-    backward passes would call them). A choice remembered from an earlier
+    does one with an op of another library (traced), one that writes an input
+    requiring grad or a view (autograd would record every timing run's write)
+    or whose inputs have gradient hooks (the timing's backward passes would
+    call them). A choice remembered from an earlier
     tuning of this graph is built alone (kwker.choices)."""
     def build_inductor():
         # The backward compiled with the forward: compiled lazily, at the timing's
@@ -202,9 +204,9 @@ def traced(gm: torch.fx.GraphModule, example_inputs):
     or (..., why not) for one Inductor compiles untimed: one kwker's trace
     cannot follow (Inductor may), one with random ops (no candidate draws the
     numbers eager draws) or ops of another library (a custom op may draw them,
-    or count its calls: rewrite.match.why_run_only_as_called), or one whose written inputs (a KV cache) hold
-    more than WRITTEN_BYTES_TO_TUNE, which tuning would copy to put back after
-    each run. The caller compiles with Inductor outside any `except` block:
+    or count its calls: rewrite.match.why_run_only_as_called), or one whose
+    written inputs (a KV cache) hold more than WRITTEN_BYTES_TO_TUNE, which
+    tuning would copy to put back after each run. The caller compiles with Inductor outside any `except` block:
     inside the one that caught the trace's failure, Inductor's compile of a
     graph with a symbolic float failed (GuardOnDataDependentSymNode) instead of
     having Dynamo specialise the float (test_guards, _zero_attention_scaling)."""

@@ -215,7 +215,8 @@ class _Lowering:
             if not isinstance(value, torch.Tensor):  # a higher-order op's subgraph, a quantized linear's packed weight
                 users = ", ".join(sorted({str(u.target) for u in node.users}))
                 kind = "subgraph" if isinstance(value, torch.fx.GraphModule) else type(value).__name__
-                raise NotLowerable(f"{node.target} is a {kind}, not a tensor (read by {users}): plans hold tensors only")
+                raise NotLowerable(f"{node.target} is a {kind}, not a tensor (read by {users}): "
+                                   "plans hold tensors only")
             self.declare_constant(node, value)
         elif node.op == "call_function":
             self.lower_call(node)

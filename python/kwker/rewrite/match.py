@@ -53,7 +53,8 @@ def why_run_only_as_called(node: Node) -> str | None:
     the random generator, other than an attention whose dropout_p is 0 (tagged
     for its dropout, it draws nothing); an op of another library (a user's
     torch.library.custom_op may draw random numbers, print or count its calls);
-    a higher-order op (cond, flex_attention) with either in its subgraphs."""
+    one PyTorch registers with effects (aten._print); a higher-order op (cond,
+    flex_attention, auto_functionalized) calling any of these."""
     target = node.target
     if isinstance(target, torch._ops.HigherOrderOperator):
         inner = [a for a in _flat_args(node) if isinstance(a, torch._ops.OpOverload)]  # auto_functionalized's op
@@ -62,16 +63,15 @@ def why_run_only_as_called(node: Node) -> str | None:
         whys = [_why_op(op) for op in inner] + [why_run_only_as_called(n) for g in subgraphs
                                                  if isinstance(g, torch.fx.GraphModule) for n in g.graph.nodes]
         return next((f"{target.name()} over {why}" for why in whys if why), None)
-    if not isinstance(target, torch._ops.OpOverload):
-        return None
-    if torch.Tag.nondeterministic_seeded in target.tags and op_arguments(node).get("dropout_p") != 0.0:
-        return f"random ops ({target})"
-    return _why_op(target)
+    return _why_op(target, node) if isinstance(target, torch._ops.OpOverload) else None
 
 
-def _why_op(op: torch._ops.OpOverload) -> str | None:
+def _why_op(op: torch._ops.OpOverload, node: Node | None = None) -> str | None:
+    """node: the call, whose dropout_p is read; None for an op a higher-order op calls."""
     if op.namespace not in OPS_SEEN_INTO:
         return f"an op kwker cannot see into ({op}: it may draw random numbers or act outside the graph)"
+    if torch.Tag.nondeterministic_seeded in op.tags and (node is None or op_arguments(node).get("dropout_p") != 0.0):
+        return f"random ops ({op})"
     if has_effects(op):
         return f"an op with effects outside the graph ({op})"
     return None
