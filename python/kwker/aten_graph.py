@@ -16,6 +16,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from kwker.lower import NotLowerable
+from kwker.rewrite.match import written_arguments
 
 
 def trace_to_aten(gm: torch.fx.GraphModule, example_inputs) -> torch.fx.GraphModule:
@@ -71,14 +72,8 @@ class _RealWritesRefused(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if not isinstance(func, torch._ops.OpOverload):
-            return func(*args, **kwargs)
-        for i, arg in enumerate(func._schema.arguments):
-            if arg.alias_info is None or not arg.alias_info.is_write:
-                continue
-            value = kwargs.get(arg.name) if arg.kwarg_only or i >= len(args) else args[i]
-            for t in value if isinstance(value, (list, tuple)) else (value,):
-                if isinstance(t, torch.Tensor) and not is_fake(t):
-                    raise _RealWrite(f"the graph writes a tensor it holds rather than takes as an input ({func}: "
-                                     "an optimizer's state, a module's attribute), which kwker does not replay")
+        if isinstance(func, torch._ops.OpOverload) and any(
+                isinstance(t, torch.Tensor) and not is_fake(t) for t in written_arguments(func, args, kwargs)):
+            raise _RealWrite(f"the graph writes a tensor it holds rather than takes as an input ({func}: "
+                             "an optimizer's state, a module's attribute), which kwker does not replay")
         return func(*args, **kwargs)

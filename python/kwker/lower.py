@@ -23,7 +23,7 @@ from torch.fx import Node
 
 from kwker import _C
 from kwker.custom_ops import GELU_MODES, LINEAR_MULTI_OUTPUTS, ROTARY_HALF, ops
-from kwker.rewrite.match import convolution_parameters, native_convolution, val, why_run_only_as_called
+from kwker.rewrite.match import convolution_parameters, flat, native_convolution, val, why_run_only_as_called
 from kwker.weights import HUGE_PAGES_BELOW_ROWS, CopiedWeight, by_matmul, rows_per_call
 
 aten = torch.ops.aten
@@ -77,7 +77,7 @@ class _Lowering:
         self.report = LoweringReport()
         self.placeholder_index = {n: i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
         out_node = next(n for n in gm.graph.nodes if n.op == "output")
-        self.outputs = [a for a in _flat(out_node.args[0])]
+        self.outputs = [a for a in flat(out_node.args[0])]
         # storage -> the returned tensor, when it is its whole storage: the fresh
         # output is then that tensor itself, with no view made per call
         self.output_storages = {storage_key(val(n)): val(n) for n in self.outputs if isinstance(n, Node)}
@@ -224,7 +224,7 @@ class _Lowering:
     def lower_call(self, node: Node):
         if node.target is operator.getitem or node in self.done:
             return  # the producing op declared every output it writes; or another step did this one
-        inputs = [a for a in _flat((node.args, node.kwargs)) if isinstance(a, Node)]
+        inputs = [a for a in flat((node.args, node.kwargs)) if isinstance(a, Node)]
         if all(a in self.folded for a in inputs) and not why_run_only_as_called(node):
             return self.fold(node)
         vals = _tensor_vals(node)
@@ -269,7 +269,7 @@ class _Lowering:
                 and (result.storage_offset(), result.stride()) == (fake.storage_offset(), fake.stride()))
 
     def fallback(self, node: Node, why: str):
-        inputs = [a for a in _flat((node.args, node.kwargs)) if isinstance(a, Node)]
+        inputs = [a for a in flat((node.args, node.kwargs)) if isinstance(a, Node)]
         reads = [self.view(val(a)) for a in inputs]
         writes = [self.view(t) for t in _tensor_vals(node)]
         self.b.fallback(_FallbackCall(node, inputs), reads, writes, label=node.name)
@@ -305,7 +305,7 @@ class _Lowering:
             return getattr(self.gm, node.target)
         if node.op != "call_function" or node.target is operator.getitem or why_run_only_as_called(node):
             return None
-        values = {a: self.constant(a) for a in _flat((node.args, node.kwargs)) if isinstance(a, Node)}
+        values = {a: self.constant(a) for a in flat((node.args, node.kwargs)) if isinstance(a, Node)}
         return None if any(v is None for v in values.values()) else _evaluate(node, values)
 
 
@@ -327,7 +327,7 @@ class _FallbackCall:
     def __call__(self, reads, writes):
         args, kwargs = _substitute(self.args, reads)
         result = self.target(*args, **kwargs)
-        for dst, src in zip(writes, _flat(result)):
+        for dst, src in zip(writes, flat(result)):
             dst.copy_(src)
 
     def __repr__(self):
@@ -349,19 +349,8 @@ def _substitute(tree, reads):
     return tree
 
 
-def _flat(tree):
-    if isinstance(tree, (list, tuple)):
-        for x in tree:
-            yield from _flat(x)
-    elif isinstance(tree, dict):
-        for x in tree.values():
-            yield from _flat(x)
-    else:
-        yield tree
-
-
 def _tensor_vals(node: Node) -> list[torch.Tensor]:
-    return [t for t in _flat(node.meta.get("val")) if isinstance(t, torch.Tensor)]
+    return [t for t in flat(node.meta.get("val")) if isinstance(t, torch.Tensor)]
 
 
 def _returns_alias(node: Node, write: bool) -> bool:
@@ -671,7 +660,7 @@ def _cache_shift(lw: _Lowering, roll: Node, dim: int) -> bool:
         return False
     for nd in lw.gm.graph.nodes:  # between the roll and the copy_: nothing reads the cache or writes src
         if lw.order[roll] < lw.order[nd] < lw.order[copy] and nd is not put:
-            touched = {storage_key(t) for a in _flat((nd.args, nd.kwargs)) if isinstance(a, Node)
+            touched = {storage_key(t) for a in flat((nd.args, nd.kwargs)) if isinstance(a, Node)
                        for t in _tensor_vals(a)}
             if storage_key(x) in touched or (_is_inplace_op(nd) and storage_key(v) in touched):
                 return False

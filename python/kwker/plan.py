@@ -18,7 +18,7 @@ import torch
 from kwker.aten_graph import trace_to_aten
 from kwker.lower import NotLowerable, lower_to_plan, storage_key
 from kwker.rewrite import reserved_copy_bytes, rewrite_language_model
-from kwker.rewrite.match import op_arguments
+from kwker.rewrite.match import op_arguments, written_arguments
 from kwker.weights import CopiedWeights, WeightArena
 
 aten = torch.ops.aten
@@ -106,18 +106,13 @@ def inputs_written(aten_gm: torch.fx.GraphModule, example_inputs) -> list[tuple]
 
 
 def _written_args(node) -> list[torch.fx.Node]:
-    schema = getattr(node.target, "_schema", None)
-    if schema is None:
+    if getattr(node.target, "_schema", None) is None:
         return []
+    written = written_arguments(node.target, node.args, node.kwargs)
     given = op_arguments(node)
-    names = [a.name for a in schema.arguments if a.alias_info and a.alias_info.is_write]
-    if node.target == aten.native_batch_norm.default and given.get("training"):
-        names += ["running_mean", "running_var"]  # written in training, though its schema does not say so
-    written = []
-    for name in names:  # a Tensor(a!)[] (the _foreach_ and fused optimizer ops) writes each of its tensors
-        value = given.get(name)
-        written += [v for v in (value if isinstance(value, (list, tuple)) else [value]) if isinstance(v, torch.fx.Node)]
-    return written
+    if node.target == aten.native_batch_norm.default and given.get("training"):  # though its schema does not say so
+        written += [given["running_mean"], given["running_var"]]
+    return [v for v in written if isinstance(v, torch.fx.Node)]
 
 
 # ATen ops a float input may feed as their second operand: the float takes its place.

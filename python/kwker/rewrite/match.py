@@ -39,6 +39,17 @@ def convolution_operands(conv: Node) -> tuple:
                  for i, name in enumerate(("input", "weight", "bias")))
 
 
+def written_arguments(op: torch._ops.OpOverload, args, kwargs) -> list:
+    """What a call of op writes by its schema (Tensor(a!)), each tensor of a
+    Tensor(a!)[] (the _foreach_ and fused optimizer ops) on its own: a graph's
+    nodes or a dispatched call's tensors, as given (None where absent)."""
+    names = [a.name for a in op._schema.arguments if a.alias_info and a.alias_info.is_write]
+    if not names:  # most ops: no dict of arguments made (every op of a trace is asked)
+        return []
+    given = dict(zip((a.name for a in op._schema.arguments), args)) | dict(kwargs)
+    return list(flat([given.get(name) for name in names]))
+
+
 # The libraries whose ops kwker sees into: each computes its outputs and writes
 # what its schema marks written, is tagged where it draws random numbers and
 # registered where it has other effects (aten._print). PyTorch's own
@@ -57,8 +68,9 @@ def why_run_only_as_called(node: Node) -> str | None:
     flex_attention, auto_functionalized) calling any of these."""
     target = node.target
     if isinstance(target, torch._ops.HigherOrderOperator):
-        inner = [a for a in _flat_args(node) if isinstance(a, torch._ops.OpOverload)]  # auto_functionalized's op
-        subgraphs = [getattr(node.graph.owning_module, a.target) for a in _flat_args(node)
+        args = list(flat((node.args, node.kwargs)))
+        inner = [a for a in args if isinstance(a, torch._ops.OpOverload)]  # auto_functionalized's op
+        subgraphs = [getattr(node.graph.owning_module, a.target) for a in args
                      if isinstance(a, Node) and a.op == "get_attr"]
         whys = [_why_op(op) for op in inner] + [why_run_only_as_called(n) for g in subgraphs
                                                  if isinstance(g, torch.fx.GraphModule) for n in g.graph.nodes]
@@ -77,8 +89,16 @@ def _why_op(op: torch._ops.OpOverload, node: Node | None = None) -> str | None:
     return None
 
 
-def _flat_args(node: Node) -> list:
-    return torch.utils._pytree.tree_leaves((node.args, node.kwargs))
+def flat(tree):
+    """The leaves of nested lists, tuples and dicts (a node's args and kwargs)."""
+    if isinstance(tree, (list, tuple)):
+        for x in tree:
+            yield from flat(x)
+    elif isinstance(tree, dict):
+        for x in tree.values():
+            yield from flat(x)
+    else:
+        yield tree
 
 
 def fuse_each(gm: torch.fx.GraphModule, targets: tuple, fuse_one) -> int:
