@@ -181,10 +181,13 @@ enum {
      * row: replays of 46-52 ms against 47-52 (bf16) and 63-64 against 45-48 (f32
      * x, three tile products a step), while it won at 5 and 8 rows in bf16
      * (58-62 against 72-74, 59-68 against 106-149) and was even in f32 at 5-8.
-     * So: bf16 x from 2 rows, f32 x from 16 (where the MLP measured 8.2 ms
-     * against 17.5). */
+     * f32 x: replays of batched decode steps (three processes each, alternated,
+     * same host), the vector kernel against the tiles: SmolLM2-360M at 8 rows
+     * 57-68 ms against 60-84, at 12 rows 86-100 against 71-99; Llama-3.2-1B at
+     * 8 rows 144-175 against 120-123, at 12 rows 206-260 against 130-139. So:
+     * bf16 x from 2 rows, f32 x from 12 (8 would lose on the smaller model). */
     KW_AMX_MIN_M_BF16 = 2,
-    KW_AMX_MIN_M_F32 = 16,
+    KW_AMX_MIN_M_F32 = 12,
     /* bmm reads every column of b once per row of a: right for the decode
      * steps' one row (BLOOM's attention: a 24-layer BLOOM's replayed step,
      * medians of three, 59.9 ms natively against 77.4 with ATen's bmm as

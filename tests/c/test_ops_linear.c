@@ -171,7 +171,7 @@ static kw_op_id amx_case(tt_case *k, kw_dtype xt, int64_t M, int64_t K, int64_t 
 Test(linear, amx_shapes_match_the_reference) {
     tt_rng r = {21};
     /* both sides of each threshold */
-    static const int64_t Ms_amx[] = {1, 2, 3, 5, 8, 15, 16, 17, 31, 33, 48, 64, 80};
+    static const int64_t Ms_amx[] = {1, 2, 3, 5, 8, 11, 12, 15, 16, 17, 31, 33, 48, 64, 80};
     static const int64_t Ks_amx[] = {2, 30, 32, 34, 64, 100, 960};
     static const int64_t Ns_amx[] = {16, 32, 48, 80};
     const int nm = (int)(sizeof Ms_amx / sizeof *Ms_amx), amx = kw_cpu_isa() >= KW_ISA_AMX;
