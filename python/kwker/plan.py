@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 import torch
 
+from kwker import _C
 from kwker.aten_graph import trace_to_aten
 from kwker.lower import NotLowerable, lower_to_plan, storage_key
 from kwker.rewrite import reserved_copy_bytes, rewrite_language_model
@@ -74,16 +75,17 @@ _MODULE_STEP = re.compile(r"\._(?:modules|parameters|buffers)\['([^']*)'\]")
 def dynamo_input_names(gm: torch.fx.GraphModule) -> list[str]:
     """What each of Dynamo's graph inputs is to the user: a module's tensor by
     its path in the model ("model.layers.0.mlp.up_proj.weight"), another by its
-    Dynamo source ("L['kwargs']['input_ids']"), else the placeholder's name."""
-    names = []
-    for node in (n for n in gm.graph.nodes if n.op == "placeholder"):
-        source = getattr(node.meta.get("grapharg"), "source", None)
-        if source is None:
-            names.append(node.name)
-            continue
-        path = _MODULE_STEP.findall(source.name)
-        names.append(".".join(path) if path else source.name)
-    return names
+    Dynamo source ("L['kwargs']['input_ids']"), else the placeholder's name.
+    Kept in gm.meta from the first call: Dynamo drops the sources once the
+    backend has returned, and a plan compiled again later must name them too."""
+    if "kwker_input_names" not in gm.meta:
+        names = []
+        for node in (n for n in gm.graph.nodes if n.op == "placeholder"):
+            source = getattr(node.meta.get("grapharg"), "source", None)
+            path = _MODULE_STEP.findall(source.name) if source is not None else []
+            names.append(".".join(path) if path else source.name if source is not None else node.name)
+        gm.meta["kwker_input_names"] = names
+    return gm.meta["kwker_input_names"]
 
 
 def inputs_written(aten_gm: torch.fx.GraphModule, example_inputs) -> list[tuple]:
@@ -157,6 +159,12 @@ class _Refresh:
         self.sources = copied.watched() + scalars
 
     def __call__(self, args):
+        for i, _ in self.copied.watched():
+            if not isinstance(args[i], torch.Tensor):  # a module's tensor set to None, its guard dropped
+                error = _C.PlanError(f"input '{dynamo_input_names(self.gm)[i]}' (argument {i}): expected a tensor, "
+                                     f"got {type(args[i])}. {_C.GUARD_DROPPED}")
+                error.code = _C.EINVAL
+                raise error
         same_values = all(float(args[i]) == value for i, value in self.scalars)
         if same_values and self.copied.refresh(args):
             self.sources[:] = self.copied.watched() + self.scalars

@@ -218,3 +218,20 @@ def test_a_parameter_of_another_python_type_raises_a_plan_error_naming_it():
     norm.weight = TaggedParameter(norm.weight.detach().clone())
     with pytest.raises(_C.PlanError, match=r"'model\.norm\.weight'.*expected type .*Parameter.*TaggedParameter"):
         greedy(model, config)
+
+
+def test_a_weight_read_through_a_copy_set_to_none_raises_a_plan_error_naming_it():
+    """q_proj's bias is read through a copy (q, k and v's biases stacked): the
+    plan watches its source rather than binds it, and a None there once raised
+    an AttributeError from the copy's refresh on every call."""
+    model = small_model("qwen2")
+    config = kwker.compile_config()
+    assert greedy(model, config) == greedy(model)
+    assert summary.graphs()[0].copies > 0, kwker.report()
+    model.model.layers[0].self_attn.q_proj.bias = None
+    greedy(model)  # eager runs it
+    with pytest.raises(_C.PlanError, match=r"'model\.layers\.0\.self_attn\.q_proj\.bias'.*expected a tensor, got "
+                                           r".*NoneType.*guard_filter_fn"):
+        greedy(model, config)
+    torch._dynamo.reset()  # what the error says: compile again
+    assert greedy(model, config) == greedy(model)

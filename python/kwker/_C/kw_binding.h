@@ -26,6 +26,12 @@ extern kw__torch kw__t;
 int kw__torch_init(void); /* 0, or -1 with an exception set */
 
 extern PyObject *kw__PlanError;
+/* What a PlanError about an input that Dynamo's guards would have caught says
+ * to do (kwker._C.GUARD_DROPPED, for the errors raised in Python). */
+#define KW__GUARD_DROPPED                                                                                          \
+    "With Dynamo's guards on, a changed input makes Dynamo compile again; this one reached the plan because its " \
+    "guard was skipped (skip_guard_eval_unsafe) or dropped (kwker.guard_filter, which kwker.compile_config() "    \
+    "installs): compile again (torch._dynamo.reset()), or keep every guard (options={'guard_filter_fn': None})"
 /* Raises PlanError(message) with .code = code; returns NULL. */
 PyObject *kw__plan_error(int code, const char *fmt, ...);
 

@@ -155,12 +155,8 @@ static PyObject *int64_tuple_or_none(const int64_t *v, int n) {
 }
 
 static int layout_error(const kw__py_input *in, int code, const char *what, PyObject *expected, PyObject *got) {
-    kw__plan_error(code,
-                   "input '%U' (argument %d): expected %s %R, got %R. With Dynamo's guards on, a changed input makes "
-                   "Dynamo compile again; this one reached the plan because its guard was skipped "
-                   "(skip_guard_eval_unsafe) or dropped (kwker.guard_filter, which kwker.compile_config() installs): "
-                   "compile again (torch._dynamo.reset()), or keep every guard (options={'guard_filter_fn': None})",
-                   in->name, in->arg, what, expected, got);
+    kw__plan_error(code, "input '%U' (argument %d): expected %s %R, got %R. " KW__GUARD_DROPPED, in->name, in->arg,
+                   what, expected, got);
     return -1;
 }
 

@@ -21,6 +21,7 @@ int kw__module_add_types(PyObject *module) {
     if (PyModule_AddIntConstant(module, #id, code) < 0) return -1;
     KW_ERRORS(KW__ADD_CODE)
 #undef KW__ADD_CODE
+    if (PyModule_AddStringConstant(module, "GUARD_DROPPED", KW__GUARD_DROPPED) < 0) return -1;
     if (PyType_Ready(&kw__MemoryType) < 0) return -1;
     return add_type(module, &kw__PlanBuilderType, "PlanBuilder") || add_type(module, &kw__PlanType, "Plan") ||
                    add_type(module, &kw__WatchType, "Watch")
