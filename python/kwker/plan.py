@@ -159,12 +159,8 @@ class _Refresh:
         self.sources = copied.watched() + scalars
 
     def __call__(self, args):
-        for i, _ in self.copied.watched():
-            if not isinstance(args[i], torch.Tensor):  # a module's tensor set to None, its guard dropped
-                error = _C.PlanError(f"input '{dynamo_input_names(self.gm)[i]}' (argument {i}): expected a tensor, "
-                                     f"got {type(args[i])}. {_C.GUARD_DROPPED}")
-                error.code = _C.EINVAL
-                raise error
+        for i, watch in self.copied.watched():
+            self._check_source(i, watch.tensor, args[i])
         same_values = all(float(args[i]) == value for i, value in self.scalars)
         if same_values and self.copied.refresh(args):
             self.sources[:] = self.copied.watched() + self.scalars
@@ -174,3 +170,22 @@ class _Refresh:
                  "a weight can no longer be copied the same way" if same_values else "a float input changed")
         plan, _ = compile_plan(self.gm, list(args), self.glue, self.classify, kept=self.kept)
         return plan
+
+    def _check_source(self, i: int, was: torch.Tensor, now) -> None:
+        """A copied weight that is no longer a tensor of its dtype and shape
+        (its guard dropped) raises PlanError, as one the plan binds does: Dynamo
+        traced the graph for the old one, and the frame's Python may have read
+        its shape (BLOOM's slices by pretraining_tp), so it is not compiled again
+        from that graph (it once gave wrong values so, without an error)."""
+        if not isinstance(now, torch.Tensor):
+            what, expected, got, code = "type", torch.Tensor, type(now), _C.EINVAL
+        elif now.dtype != was.dtype:
+            what, expected, got, code = "dtype", was.dtype, now.dtype, _C.EDTYPE
+        elif now.shape != was.shape:
+            what, expected, got, code = "shape", tuple(was.shape), tuple(now.shape), _C.ESHAPE
+        else:
+            return
+        error = _C.PlanError(f"input '{dynamo_input_names(self.gm)[i]}' (argument {i}): expected {what} {expected}, "
+                             f"got {got}. {_C.GUARD_DROPPED}")
+        error.code = code
+        raise error

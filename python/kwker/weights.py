@@ -250,12 +250,10 @@ class CopiedWeight:
     watches: list = field(default_factory=list)  # a kwker._C.Watch per source
 
     def refresh(self, tensors: list[torch.Tensor]) -> bool:
-        """Packs the copy again from tensors (the sources' current values),
-        watching them afresh first; False when it cannot be made the same way
-        (another dtype, shape or storage decision): the plan is rebuilt then."""
-        for t, w in zip(tensors, self.watches):
-            if tuple(t.shape) != tuple(w.tensor.shape) or t.dtype != w.tensor.dtype:
-                return False
+        """Packs the copy again from tensors (the sources' current values, of
+        the dtypes and shapes watched: plan._Refresh checks), watching them
+        afresh first; False when it cannot be made the same way (no longer
+        bf16-valued): the plan is rebuilt then."""
         if self.storage.dtype != copy_dtype(tensors) and self.storage.dtype == torch.bfloat16:
             return False
         for i, t in enumerate(tensors):
