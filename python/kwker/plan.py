@@ -14,6 +14,7 @@ import re
 from collections.abc import Callable
 
 import torch
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from kwker import _C
 from kwker.aten_graph import trace_to_aten
@@ -55,6 +56,10 @@ def compile_plan(gm: torch.fx.GraphModule, example_inputs, glue: bool = True, cl
         placeholders = [n.name for n in aten_gm.graph.nodes if n.op == "placeholder"]
         written = sorted({placeholders.index(p.name) for _, p, _ in inputs_written(aten_gm, example_inputs)})
         scalars = specialize_scalars(aten_gm, example_inputs)
+        data_dependent = next((n for n in aten_gm.graph.nodes if free_unbacked_symbols(n.meta.get("val"))), None)
+        if data_dependent is not None:  # capture_dynamic_output_shape_ops, capture_scalar_outputs
+            raise NotLowerable(f"{data_dependent.name} ({data_dependent.target}) has a size or value known only when "
+                               "the graph runs; a plan's buffers are sized when it is built")
         params = {name: t for name, t in zip(placeholders, example_inputs) if isinstance(t, torch.nn.Parameter)}
         counts, copies = rewrite_language_model(aten_gm, params, glue=glue, arena=arena)
     finally:

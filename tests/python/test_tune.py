@@ -1123,3 +1123,23 @@ def test_a_prefill_into_generates_default_dynamic_cache_is_a_plan_candidate():
     torch.testing.assert_close(got, want)
     (graph,) = summary.graphs()
     assert "plan" in graph.candidates, kwker.report()
+
+
+def test_a_graph_with_data_dependent_sizes_leaves_the_plan_out_with_the_reason(caplog):
+    """nonzero's count and .item() become sizes and values known only when the
+    graph runs (Dynamo's unbacked symbols): the plan's build once failed on
+    them inside the lowering, logged as a bug of kwker's with a traceback."""
+    def selected(x):
+        return torch.masked_select(x, x > 0) * 2
+
+    def scaled(x):
+        return x * x.max().item()
+
+    x = torch.randn(4, 5)
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="kwker"), \
+            torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True, capture_scalar_outputs=True):
+        for fn in (selected, scaled):
+            torch.testing.assert_close(torch.compile(fn, backend="kwker")(x), fn(x))
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+    for graph in summary.graphs():
+        assert "known only when the graph runs" in graph.left_out["plan"], kwker.report()
