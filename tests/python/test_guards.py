@@ -194,19 +194,6 @@ def test_a_change_to_a_mixture_of_experts_weights_gives_eagers_tokens(change):
     assert set(g.kind for g in summary.graphs()) == {"decode-replay"}, kwker.report()
 
 
-def test_a_parameter_bound_as_it_is_that_changes_dtype_raises_a_plan_error_naming_it():
-    model = small_model("llama")
-    config = kwker.compile_config()
-    assert greedy(model, config) == greedy(model)
-    model.model.norm.weight.data = model.model.norm.weight.data.bfloat16()
-    greedy(model)  # eager runs it (the norm casts back to float32)
-    with pytest.raises(_C.PlanError, match=r"'model\.norm\.weight'.*expected dtype torch\.float32, got "
-                                           r"torch\.bfloat16.*guard_filter_fn"):
-        greedy(model, config)
-    torch._dynamo.reset()  # what the error says: compile again
-    assert greedy(model, config) == greedy(model)
-
-
 def test_a_parameter_of_another_python_type_raises_a_plan_error_naming_it():
     class TaggedParameter(torch.nn.Parameter):  # its own __torch_function__ could change what every op does
         pass
@@ -220,34 +207,36 @@ def test_a_parameter_of_another_python_type_raises_a_plan_error_naming_it():
         greedy(model, config)
 
 
-def test_a_weight_read_through_a_copy_set_to_none_raises_a_plan_error_naming_it():
-    """q_proj's bias is read through a copy (q, k and v's biases stacked): the
-    plan watches its source rather than binds it, and a None there once raised
-    an AttributeError from the copy's refresh on every call."""
-    model = small_model("qwen2")
+def _norm_to_bfloat16(model):
+    model.model.norm.weight.data = model.model.norm.weight.data.bfloat16()  # the norm casts back to float32
+
+
+def _q_bias_to_none(model):
+    model.model.layers[0].self_attn.q_proj.bias = None
+
+
+@pytest.mark.parametrize("arch, change, error", [
+    # bound as it is
+    ("llama", _norm_to_bfloat16, r"'model\.norm\.weight'.*expected dtype torch\.float32, got torch\.bfloat16"),
+    # read through copies, whose sources the plan watches: q, k and v's biases stacked; gate and up stacked
+    ("qwen2", _q_bias_to_none, r"'model\.layers\.0\.self_attn\.q_proj\.bias'.*expected type .*Tensor.*, got "
+                               r".*NoneType"),
+    ("llama", _widen_mlp, r"'model\.layers\.1\.mlp\.(gate|up|down)_proj\.weight'.*expected shape "
+                          r"\((160, 64|64, 160)\), got \((96, 64|64, 96)\)"),
+])
+def test_a_change_the_plan_cannot_follow_raises_a_plan_error_naming_the_parameter(arch, change, error):
+    """Where a dropped guard would have made Dynamo compile the frame again.
+    A copy's source set to None once raised AttributeError from the copy's
+    refresh on every call; one given another shape had the plan compiled again
+    from Dynamo's graph, traced for the old shape, which the frame's Python may
+    have read (BLOOM's slices by pretraining_tp): wrong values, no error."""
+    model = small_model(arch)
     config = kwker.compile_config()
     assert greedy(model, config) == greedy(model)
     assert summary.graphs()[0].copies > 0, kwker.report()
-    model.model.layers[0].self_attn.q_proj.bias = None
+    change(model)
     greedy(model)  # eager runs it
-    with pytest.raises(_C.PlanError, match=r"'model\.layers\.0\.self_attn\.q_proj\.bias'.*expected type .*Tensor.*, "
-                                           r"got .*NoneType.*guard_filter_fn"):
-        greedy(model, config)
-    torch._dynamo.reset()  # what the error says: compile again
-    assert greedy(model, config) == greedy(model)
-
-
-def test_a_weight_read_through_a_copy_given_another_shape_raises_a_plan_error_naming_it():
-    """Dynamo traced the step for the old shape, which the frame's Python may
-    have read (BLOOM's slices by pretraining_tp): the plan compiled again from
-    that graph for the new shape once gave wrong values without an error."""
-    model = small_model("llama")
-    config = kwker.compile_config()
-    assert greedy(model, config) == greedy(model)
-    _widen_mlp(model)
-    greedy(model)  # eager runs it
-    with pytest.raises(_C.PlanError, match=r"'model\.layers\.1\.mlp\.(gate|up|down)_proj\.weight'.*expected shape "
-                                           r"\((160, 64|64, 160)\), got \((96, 64|64, 96)\).*guard_filter_fn"):
+    with pytest.raises(_C.PlanError, match=error + ".*guard_filter_fn"):
         greedy(model, config)
     torch._dynamo.reset()  # what the error says: compile again
     assert greedy(model, config) == greedy(model)
