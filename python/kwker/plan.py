@@ -167,7 +167,7 @@ class _Refresh:
 
     def __call__(self, args):
         for i, watch in self.copied.watched():
-            self._check_source(i, watch.tensor, args[i])
+            self._check_source(i, watch, args[i])
         same_values = all(float(args[i]) == value for i, value in self.scalars)
         if same_values and self.copied.refresh(args):
             self.sources[:] = self.copied.watched() + self.scalars
@@ -178,14 +178,16 @@ class _Refresh:
         plan, _ = compile_plan(self.gm, list(args), self.glue, self.classify, kept=self.kept)
         return plan
 
-    def _check_source(self, i: int, was: torch.Tensor, now) -> None:
-        """A copied weight that is no longer a tensor of its dtype and shape
-        (its guard dropped) raises PlanError, as one the plan binds does: Dynamo
-        traced the graph for the old one, and the frame's Python may have read
-        its shape (BLOOM's slices by pretraining_tp), so it is not compiled again
-        from that graph (it once gave wrong values so, without an error)."""
-        if not isinstance(now, torch.Tensor):
-            what, expected, got, code = "type", torch.Tensor, type(now), _C.EINVAL
+    def _check_source(self, i: int, watch, now) -> None:
+        """A copied weight that is no longer of its exact Python type, dtype and
+        shape (its guard dropped) raises PlanError, as one the plan binds does:
+        Dynamo traced the graph for the old one, and the frame's Python may have
+        read its shape (BLOOM's slices by pretraining_tp), so it is not compiled
+        again from that graph (it once gave wrong values so, without an error);
+        a subclass's __torch_function__ can change what every op does."""
+        was = watch.tensor
+        if type(now) is not watch.type:
+            what, expected, got, code = "type", watch.type, type(now), _C.EINVAL
         elif now.dtype != was.dtype:
             what, expected, got, code = "dtype", was.dtype, now.dtype, _C.EDTYPE
         elif now.shape != was.shape:

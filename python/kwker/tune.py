@@ -92,12 +92,14 @@ ABS_FLOOR = 1e-5  # torch.testing.assert_close's absolute tolerance for float32
 
 
 def under_autocast(gm: torch.fx.GraphModule, tolerance: dict) -> dict:
-    """The tolerance for gm's outputs when CPU autocast computes them, around
-    the graph or inside it: a float32 output of bfloat16 products is as far
-    apart as a bfloat16 one (a small Llama's logits, Inductor against eager:
-    1.8e-3, where float32's 1e-4 left a right Inductor out)."""
+    """The tolerance for gm's outputs when CPU autocast computes any part of
+    them, around the graph or inside it: a float32 output of bfloat16 products
+    is as far apart as a bfloat16 one (a small Llama's logits, Inductor against
+    eager: 1.8e-3, where float32's 1e-4 left a right Inductor out). A part
+    where the graph turns autocast off again still counts (which outputs it
+    feeds is not followed)."""
     lower = {torch.get_autocast_dtype("cpu")} if torch.is_autocast_enabled("cpu") else set()
-    lower |= {n.args[1] for n in gm.graph.nodes
+    lower |= {n.args[1] or torch.get_autocast_dtype("cpu") for n in gm.graph.nodes  # None: autocast's default
               if n.target is torch.amp.autocast_mode._enter_autocast and n.args[0] == "cpu" and n.args[2]}
     widest = max((tolerance.get(dtype, 0.0) for dtype in lower), default=0.0)
     return {dtype: max(tol, widest) for dtype, tol in tolerance.items()}

@@ -194,16 +194,18 @@ def test_a_change_to_a_mixture_of_experts_weights_gives_eagers_tokens(change):
     assert set(g.kind for g in summary.graphs()) == {"decode-replay"}, kwker.report()
 
 
-def test_a_parameter_of_another_python_type_raises_a_plan_error_naming_it():
+@pytest.mark.parametrize("path", ["model.norm",  # bound as it is
+                                  "model.layers.0.self_attn.o_proj"])  # read through a copy, its source watched
+def test_a_parameter_of_another_python_type_raises_a_plan_error_naming_it(path):
     class TaggedParameter(torch.nn.Parameter):  # its own __torch_function__ could change what every op does
         pass
 
     model = small_model("llama")
     config = kwker.compile_config()
     assert greedy(model, config) == greedy(model)
-    norm = model.model.norm
-    norm.weight = TaggedParameter(norm.weight.detach().clone())
-    with pytest.raises(_C.PlanError, match=r"'model\.norm\.weight'.*expected type .*Parameter.*TaggedParameter"):
+    module = model.get_submodule(path)
+    module.weight = TaggedParameter(module.weight.detach().clone())
+    with pytest.raises(_C.PlanError, match=rf"'{re.escape(path)}\.weight'.*expected type .*Parameter.*TaggedParameter"):
         greedy(model, config)
 
 
@@ -219,7 +221,7 @@ def _q_bias_to_none(model):
     # bound as it is
     ("llama", _norm_to_bfloat16, r"'model\.norm\.weight'.*expected dtype torch\.float32, got torch\.bfloat16"),
     # read through copies, whose sources the plan watches: q, k and v's biases stacked; gate and up stacked
-    ("qwen2", _q_bias_to_none, r"'model\.layers\.0\.self_attn\.q_proj\.bias'.*expected type .*Tensor.*, got "
+    ("qwen2", _q_bias_to_none, r"'model\.layers\.0\.self_attn\.q_proj\.bias'.*expected type .*Parameter.*, got "
                                r".*NoneType"),
     ("llama", _widen_mlp, r"'model\.layers\.1\.mlp\.(gate|up|down)_proj\.weight'.*expected shape "
                           r"\((160, 64|64, 160)\), got \((96, 64|64, 96)\)"),

@@ -1162,3 +1162,20 @@ def test_under_cpu_autocast_a_right_inductor_is_not_left_out(caplog):
     (graph,) = summary.graphs()
     assert graph.kind == "tuned" and "inductor" in graph.candidates, kwker.report()
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+
+
+def test_autocast_entered_inside_the_graph_without_a_dtype_widens_the_tolerance_to_its_default():
+    from kwker.tune import TOLERANCE, under_autocast
+
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    def product(x, w):
+        with torch.autocast("cpu"):  # Dynamo records the dtype as None: CPU autocast's default, bfloat16
+            return (x @ w).float()
+
+    torch.compile(product, backend=capture)(torch.randn(4, 4), torch.randn(4, 4))
+    assert under_autocast(graphs[0], TOLERANCE)[torch.float32] == TOLERANCE[torch.bfloat16]

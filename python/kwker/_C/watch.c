@@ -111,6 +111,10 @@ static PyObject *watch_get_size(PyObject *self_, void *which) {
 
 static PyObject *watch_get_tensor(PyObject *self, void *closure) { return Py_NewRef(((WatchObject *)self)->alias); }
 
+static PyObject *watch_get_type(PyObject *self, void *closure) {
+    return Py_NewRef((PyObject *)((WatchObject *)self)->type);
+}
+
 static void watch_dealloc(PyObject *self_) {
     WatchObject *self = (WatchObject *)self_;
     kw_watch_free(self->w); /* writable again before the storage can go */
@@ -147,6 +151,7 @@ static PyGetSetDef watch_getset[] = {
      "Bytes made read-only (whole pages); the rest, at the ends, is compared on each check.", (void *)1},
     {"tensor", watch_get_tensor, NULL, "The watched tensor (a detached alias, which keeps its storage alive).",
      NULL},
+    {"type", watch_get_type, NULL, "The watched tensor's exact Python type (the alias is a plain Tensor).", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
