@@ -5,7 +5,7 @@ The plan reads kwker's weight copies, and checks their sources before every
 call (kwker.weights): when one changed, the copies are packed again, or, when
 they cannot be made the same way, the whole graph is compiled again from
 Dynamo's graph with the call's arguments and the plan takes the new one over.
-A source of another dtype or shape, or no tensor, raises PlanError instead:
+A source of another Python type, dtype or shape raises PlanError instead:
 Dynamo's graph was traced for the old one.
 A second model of the same class, for which Dynamo reuses the graph, has its
 weights packed into the same copies.
