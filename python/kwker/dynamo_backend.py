@@ -166,8 +166,8 @@ def tune_training(gm: torch.fx.GraphModule, example_inputs, opts: KwkerOptions):
     does one with an op of another library (traced), one that writes an input
     requiring grad or a view (autograd would record every timing run's write)
     or whose inputs have gradient hooks (the timing's backward passes would
-    call them). A choice remembered from an earlier
-    tuning of this graph is built alone (kwker.choices)."""
+    call them). A choice remembered from an earlier tuning of this graph is
+    built alone (kwker.choices)."""
     def build_inductor():
         # The backward compiled with the forward: compiled lazily, at the timing's
         # first backward, it would be compiled inside this compile, which Dynamo refuses.
@@ -206,10 +206,11 @@ def traced(gm: torch.fx.GraphModule, example_inputs):
     numbers eager draws) or ops of another library (a custom op may draw them,
     or count its calls: rewrite.match.why_run_only_as_called), or one whose
     written inputs (a KV cache) hold more than WRITTEN_BYTES_TO_TUNE, which
-    tuning would copy to put back after each run. The caller compiles with Inductor outside any `except` block:
-    inside the one that caught the trace's failure, Inductor's compile of a
-    graph with a symbolic float failed (GuardOnDataDependentSymNode) instead of
-    having Dynamo specialise the float (test_guards, _zero_attention_scaling)."""
+    tuning would copy to put back after each run. The caller compiles with
+    Inductor outside any `except` block: inside the one that caught the
+    trace's failure, Inductor's compile of a graph with a symbolic float failed
+    (GuardOnDataDependentSymNode) instead of having Dynamo specialise the float
+    (test_guards, _zero_attention_scaling)."""
     try:
         aten_gm = trace_to_aten(gm, example_inputs)
     except NotLowerable as e:

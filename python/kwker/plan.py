@@ -85,14 +85,18 @@ def dynamo_input_names(gm: torch.fx.GraphModule) -> list[str]:
     Dynamo source ("L['kwargs']['input_ids']"), else the placeholder's name.
     Kept in gm.meta from the first call: Dynamo drops the sources once the
     backend has returned, and a plan compiled again later must name them too."""
-    if "kwker_input_names" not in gm.meta:
-        names = []
-        for node in (n for n in gm.graph.nodes if n.op == "placeholder"):
-            source = getattr(node.meta.get("grapharg"), "source", None)
-            path = _MODULE_STEP.findall(source.name) if source is not None else []
-            names.append(".".join(path) if path else source.name if source is not None else node.name)
-        gm.meta["kwker_input_names"] = names
-    return gm.meta["kwker_input_names"]
+    if "kwker_input_names" in gm.meta:
+        return gm.meta["kwker_input_names"]
+    names = []
+    for node in (n for n in gm.graph.nodes if n.op == "placeholder"):
+        source = getattr(node.meta.get("grapharg"), "source", None)
+        if source is None:
+            names.append(node.name)
+            continue
+        path = _MODULE_STEP.findall(source.name)
+        names.append(".".join(path) if path else source.name)
+    gm.meta["kwker_input_names"] = names
+    return names
 
 
 def inputs_written(aten_gm: torch.fx.GraphModule, example_inputs) -> list[tuple]:
