@@ -5,6 +5,7 @@ torch finds the backend through the ``torch_dynamo_backends`` entry point, so
 the same function, for ``torch.compile(model, backend=kwker.backend)``.
 """
 
+import threading
 from importlib.metadata import version as _version
 
 __all__ = ["__version__", "backend", "compile_config", "guard_filter", "report"]
@@ -14,8 +15,9 @@ __version__ = _version("kwker")
 def compile_config(**kwargs):
     """A transformers ``CompileConfig`` for ``generate()`` with kwker's backend:
 
-    - the backend function itself, not the name "kwker": two threads looking the
-      name up at once race in torch's registry ("duplicate name: kwker");
+    - the backend function (kwker.backend), not the name "kwker": two threads
+      looking the name up at once race in torch's registry ("duplicate name:
+      kwker");
     - ``mode=None``: CompileConfig's default "reduce-overhead" would clash with
       ``options=``;
     - ``options={"guard_filter_fn": kwker.guard_filter}``: Dynamo's guards on
@@ -31,11 +33,10 @@ def compile_config(**kwargs):
     Keyword arguments override these."""
     from transformers import CompileConfig
 
-    from kwker.dynamo_backend import kwker_backend
     from kwker.guards import guard_filter
 
     options = {"guard_filter_fn": guard_filter, **(kwargs.pop("options", None) or {})}
-    config = CompileConfig(**{"backend": kwker_backend, "mode": None, "fullgraph": False, "options": options,
+    config = CompileConfig(**{"backend": _registered_backend(), "mode": None, "fullgraph": False, "options": options,
                               **kwargs})
     config._compile_all_devices = True
     return config
@@ -52,11 +53,27 @@ def __getattr__(name):
     # Lazy, because TORCH_LOGS=kwker makes torch import this package while torch
     # itself is still being imported.
     if name == "backend":
-        from kwker.dynamo_backend import kwker_backend
-
-        return kwker_backend
+        return _registered_backend()
     if name == "guard_filter":
         from kwker.guards import guard_filter
 
         return guard_filter
     raise AttributeError(f"module 'kwker' has no attribute {name!r}")
+
+
+_registry_lock = threading.Lock()
+
+
+def _registered_backend():
+    """kwker's backend function, looked up by its name in torch's registry (one
+    thread at a time: two looking the name up at once race there). Registered,
+    it is one of the backends after whose compile Dynamo drops its fake mode's
+    weak references to the model's tensors
+    (torch._dynamo.config.invalidate_compile_context_weakrefs): the function
+    passed unregistered left them, and ``model.to(dtype)`` under
+    ``torch.__future__.set_swap_module_params_on_conversion(True)`` then
+    failed ("Couldn't swap Embedding.weight")."""
+    import torch._dynamo
+
+    with _registry_lock:
+        return torch._dynamo.lookup_backend("kwker")

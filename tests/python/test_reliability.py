@@ -161,6 +161,24 @@ def test_another_model_of_the_same_class_and_replaced_tensors_are_read_fresh():
     assert kinds() == ["decode-replay"], kwker.report()
 
 
+@pytest.fixture
+def swapped_on_conversion():
+    was = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    yield
+    torch.__future__.set_swap_module_params_on_conversion(was)
+
+
+def test_a_compiled_model_converted_to_bf16_by_swapping_its_tensors_gives_eagers_tokens(swapped_on_conversion):
+    # swap_tensors refuses a tensor with weak references: Dynamo's fake mode held some
+    # after a compile through compile_config() ("Couldn't swap Embedding.weight").
+    model = small_model("llama", bf16_valued=False)
+    assert_same_tokens(model, kwker.compile_config())
+    model.to(torch.bfloat16)
+    assert_same_tokens(model, kwker.compile_config())
+    assert set(kinds()) == {"decode-replay"}, kwker.report()
+
+
 # ---- 5. another architecture whose config has another float ---------------------------------
 
 
