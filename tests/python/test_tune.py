@@ -576,6 +576,39 @@ def test_values_zero_in_exact_arithmetic_agree_through_their_rounding_noise():
     assert _differs([torch.tensor([1e-3, 0.0, 0.0])], noise) is not None  # a real value is no noise
 
 
+def test_an_output_farther_than_the_tolerance_agrees_where_it_is_as_near_float64s_as_the_truths():
+    from kwker.tune import EXACT_MARGIN, _differs
+
+    truth = [torch.tensor([7e-7, -5e-7, 2e-7])]  # rounding noise far above ABS_FLOOR's share
+    other = [torch.tensor([-9e-7, 4e-7, 8e-7])]
+    exact = [torch.zeros(3, dtype=torch.float64)]
+    assert _differs(other, truth) is not None
+    assert _differs(other, truth, exact=lambda: exact) is None
+    assert _differs([t * 2 * EXACT_MARGIN for t in other], truth, exact=lambda: exact) is not None
+    assert _differs([torch.tensor([1e-3, 0.0, 0.0])], truth, exact=lambda: exact) is not None
+    assert _differs(other, truth, exact=lambda: None) is not None  # float64's run failed: the tolerance alone
+    value = [torch.tensor([1.0, 2.0, 3.0], dtype=torch.bfloat16)]  # not noise: the tolerance alone
+    assert _differs([value[0] * 1.05], value, exact=lambda: [value[0].double() * 1.04]) is not None
+
+
+def test_a_gradient_zero_in_exact_arithmetic_keeps_no_right_candidate_out():
+    """A linear's bias before a BatchNorm1d in training mode: its gradient is
+    rounding noise (7e-7 beside the weight's 17), 0.016 apart between Inductor
+    and eager, each as near the float64 result: Inductor is timed, not left out."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.BatchNorm1d(64), torch.nn.ReLU(),
+                              torch.nn.Linear(64, 8))
+    ref = copy.deepcopy(net)
+    x = torch.randn(16, 32)
+    torch.compile(net, backend="kwker")(x).sum().backward()
+    ref(x).sum().backward()
+    for p, q in zip(net.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(net[1].running_mean, ref[1].running_mean)  # moved once, by the call
+    (graph,) = summary.graphs()
+    assert set(graph.candidates) == {"inductor", "eager"}, kwker.report()
+
+
 def test_a_candidate_that_disagrees_with_eager_is_left_out_even_inductor():
     """torch 2.13's Inductor divides the gradient of avg_pool2d's last, overhanging
     window (ceil_mode=True) by the whole kernel (pytorch#198119): kwker keeps eager."""
