@@ -31,6 +31,7 @@ Inductor's caches off, torch.compiler.config.force_disable_caches
 (TORCHINDUCTOR_FORCE_DISABLE_CACHES=1), turns them off too.
 """
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -78,6 +79,9 @@ def key(kind: str, gm: torch.fx.GraphModule, example_inputs, opts: KwkerOptions)
     return digest.hexdigest()
 
 
+MAX_RECORD_BYTES = 1 << 16  # a record is a choice and a few candidates' times: under 1 KiB
+
+
 def recall(key_: str) -> Record | None:
     """The record under key_, or None (caches off, none, or one that cannot be read: logged)."""
     folder = directory()
@@ -85,8 +89,12 @@ def recall(key_: str) -> Record | None:
     if path is None or not path.exists():
         return None
     try:
+        if not path.is_file():  # a FIFO would block the read forever, /dev/zero fill the memory
+            raise ValueError("not a regular file")
+        if path.stat().st_size > MAX_RECORD_BYTES:
+            raise ValueError(f"{path.stat().st_size} bytes, no record is over {MAX_RECORD_BYTES}")
         return _checked(Record(**json.loads(path.read_text())))
-    except (OSError, ValueError, TypeError) as e:
+    except (OSError, ValueError, TypeError, RecursionError) as e:  # RecursionError: JSON nested too deep
         log.warning("kwker: the tuning choice in %s cannot be read (%s: %s); the graph is tuned again",
                     path, type(e).__name__, e)
         return None
@@ -119,7 +127,8 @@ def remember(key_: str, record: Record) -> None:
     except OSError as e:  # a read-only or full disk: the choice is simply not remembered
         log.warning("kwker: the tuning choice could not be written to %s (%s)", folder, e)
         if written is not None:
-            Path(written).unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # on a read-only disk the unlink fails too
+                Path(written).unlink(missing_ok=True)
 
 
 def _graphs(gm: torch.fx.GraphModule) -> str:

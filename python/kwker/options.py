@@ -36,6 +36,8 @@ def parse_options(mode: str | None = None, options: dict[str, Any] | None = None
     """Validate ``mode`` and ``options`` and split them into kwker's and Inductor's."""
     from torch._inductor import config as inductor_config
 
+    if options is not None and not isinstance(options, dict):
+        raise ValueError(f"kwker: options must be a dict, got {type(options).__name__}. {KWKER_OPTIONS_HELP}")
     patches = dict(_mode_patches(mode))
     inner, glue = None, True
     known = inductor_config.get_config_copy()

@@ -103,6 +103,7 @@ def test_an_unknown_option_raises_a_value_error_naming_it():
         ({"glue": "yes"}, "'glue' must be True or False, got 'yes'"),
         ({"max_autotune": "yes"}, "'max_autotune' must be of type bool, got str"),
         ({3: True}, "option keys must be strings"),
+        ("max_autotune", "options must be a dict, got str"),
     ],
 )
 def test_a_bad_value_raises_a_value_error_naming_the_key(options, message):

@@ -158,7 +158,8 @@ def test_nothing_is_remembered_with_inductors_caches_off():
 
 
 @pytest.mark.parametrize("content", ["{not json", '{"choice": "plan", "unknown": 1}', '{"choice": "nonexistent"}',
-                                     '{"choice": "eager", "candidates": "fast"}', "[1]"])
+                                     '{"choice": "eager", "candidates": "fast"}', "[1]",
+                                     "[" * 20000 + "]" * 20000, '{"choice": "eager"}' + " " * (1 << 17)])
 def test_a_record_that_cannot_be_read_or_built_is_tuned_again_and_replaced(content, caplog):
     model, x = mlp(), torch.randn(8, 64)
     with torch.no_grad():
@@ -171,6 +172,32 @@ def test_a_record_that_cannot_be_read_or_built_is_tuned_again_and_replaced(conte
     assert not graph.recalled and "tuned again" in caplog.text
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
     assert choices.Record(**json.loads((choices.directory() / name).read_text())).choice == graph.choice
+
+
+def test_a_record_path_that_is_no_regular_file_is_tuned_again_without_reading_it(caplog):
+    model, x = mlp(), torch.randn(8, 64)
+    with torch.no_grad():
+        compile_and_run(model, x)
+        (name,) = records()
+        path = choices.directory() / name
+        path.unlink()
+        os.mkfifo(path)  # a read would wait for a writer forever
+        with caplog.at_level(logging.WARNING, logger="kwker"):
+            out, graph = compile_and_run(model, x)
+    assert not graph.recalled and "not a regular file" in caplog.text
+    torch.testing.assert_close(out, model(x), rtol=1e-4, atol=1e-5)
+
+
+def test_a_choice_that_cannot_be_written_on_a_read_only_disk_is_not_remembered(monkeypatch, caplog):
+    def read_only(*args, **kwargs):
+        raise OSError(30, "Read-only file system")
+
+    choices.directory().mkdir(parents=True, exist_ok=True)
+    monkeypatch.setattr(os, "replace", read_only)
+    monkeypatch.setattr(choices.Path, "unlink", read_only)  # removing the temporary file fails too
+    with caplog.at_level(logging.WARNING, logger="kwker"):
+        choices.remember("a-key", choices.Record("eager", None, {"eager": 1.0}))
+    assert "could not be written" in caplog.text and records() == []
 
 
 @pytest.mark.parametrize("umask", [0o022, 0o077])
