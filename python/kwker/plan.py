@@ -12,7 +12,6 @@ weights packed into the same copies.
 """
 
 import logging
-import re
 from collections.abc import Callable
 
 import torch
@@ -23,6 +22,7 @@ from kwker.aten_graph import trace_to_aten
 from kwker.lower import NotLowerable, lower_to_plan, storage_key
 from kwker.rewrite import reserved_copy_bytes, rewrite_language_model
 from kwker.rewrite.match import op_arguments, written_arguments
+from kwker.routing import dynamo_input_names
 from kwker.weights import CopiedWeights, WeightArena
 
 aten = torch.ops.aten
@@ -74,29 +74,6 @@ def compile_plan(gm: torch.fx.GraphModule, example_inputs, glue: bool = True, cl
     detail = {"rewrites": {k: v for k, v in counts.items() if v}, "fallback_ops": report.fallback_ops,
               "copies": len(copies)}
     return plan, detail
-
-
-_MODULE_STEP = re.compile(r"\._(?:modules|parameters|buffers)\['([^']*)'\]")
-
-
-def dynamo_input_names(gm: torch.fx.GraphModule) -> list[str]:
-    """What each of Dynamo's graph inputs is to the user: a module's tensor by
-    its path in the model ("model.layers.0.mlp.up_proj.weight"), another by its
-    Dynamo source ("L['kwargs']['input_ids']"), else the placeholder's name.
-    Kept in gm.meta from the first call: Dynamo drops the sources once the
-    backend has returned, and a plan compiled again later must name them too."""
-    if "kwker_input_names" in gm.meta:
-        return gm.meta["kwker_input_names"]
-    names = []
-    for node in (n for n in gm.graph.nodes if n.op == "placeholder"):
-        source = getattr(node.meta.get("grapharg"), "source", None)
-        if source is None:
-            names.append(node.name)
-            continue
-        path = _MODULE_STEP.findall(source.name)
-        names.append(".".join(path) if path else source.name)
-    gm.meta["kwker_input_names"] = names
-    return names
 
 
 def inputs_written(aten_gm: torch.fx.GraphModule, example_inputs) -> list[tuple]:

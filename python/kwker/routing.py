@@ -2,6 +2,7 @@
 before kwker traces, rewrites or copies anything: a graph handed to Inductor
 costs kwker nothing."""
 
+import re
 from dataclasses import dataclass
 
 import torch
@@ -95,15 +96,38 @@ def cache_positions(gm: torch.fx.GraphModule) -> int | str | None:
 def unfit_for_kernels(gm: torch.fx.GraphModule, example_inputs) -> str | None:
     """Why a decode step's inputs are not what kwker's kernels take, or None."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    for node, x in zip(placeholders, example_inputs):
+    for node, name, x in zip(placeholders, dynamo_input_names(gm), example_inputs):
         if not node.users:
             continue
         if isinstance(x, torch.Tensor):
             scalar = x.dim() == 0 and x.dtype == torch.float64  # a float of the model: plan.specialize_scalars
             if x.is_floating_point() and x.dtype not in KERNEL_FLOAT_DTYPES and not scalar:
-                return f"input {node.name} is {x.dtype}; kwker's kernels take float32 and bfloat16"
+                return f"input '{name}' is {x.dtype}; kwker's kernels take float32 and bfloat16"
             if x.is_complex():
-                return f"input {node.name} is {x.dtype}"
+                return f"input '{name}' is {x.dtype}"
         elif not isinstance(x, (int, bool, torch.SymInt)):
-            return f"input {node.name} is a {type(x).__name__}, not a tensor"
+            return f"input '{name}' is a {type(x).__name__}, not a tensor"
     return None
+
+
+_MODULE_STEP = re.compile(r"\._(?:modules|parameters|buffers)\['([^']*)'\]")
+
+
+def dynamo_input_names(gm: torch.fx.GraphModule) -> list[str]:
+    """What each of Dynamo's graph inputs is to the user: a module's tensor by
+    its path in the model ("model.layers.0.mlp.up_proj.weight"), another by its
+    Dynamo source ("L['kwargs']['input_ids']"), else the placeholder's name.
+    Kept in gm.meta from the first call: Dynamo drops the sources once the
+    backend has returned, and a plan compiled again later must name them too."""
+    if "kwker_input_names" in gm.meta:
+        return gm.meta["kwker_input_names"]
+    names = []
+    for node in (n for n in gm.graph.nodes if n.op == "placeholder"):
+        source = getattr(node.meta.get("grapharg"), "source", None)
+        if source is None:
+            names.append(node.name)
+            continue
+        path = _MODULE_STEP.findall(source.name)
+        names.append(".".join(path) if path else source.name)
+    gm.meta["kwker_input_names"] = names
+    return names

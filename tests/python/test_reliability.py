@@ -200,6 +200,7 @@ def test_a_model_in_a_dtype_kwker_has_no_kernels_for_goes_to_inductor_with_the_r
     assert_same_tokens(model, kwker.compile_config())
     (graph,) = summary.graphs()
     assert graph.kind == "inductor" and str(dtype) in graph.why, kwker.report()
+    assert "input 'model.embed_tokens.weight' is" in graph.why  # named as in the model, not Dynamo's placeholder
 
 
 # ---- 7. a cache position out of range ---------------------------------------------------------
