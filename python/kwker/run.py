@@ -91,6 +91,11 @@ def launch_settings(args, environ, allowed_cpus) -> tuple[dict, list[int] | None
             raise SystemExit(f"kwker.run: --threads {args.threads}: expected at least 1")
         if cpus is None and args.threads < len(allowed_cpus):
             cpus = sorted(allowed_cpus)[:args.threads]
+        usable = len(cpus or allowed_cpus)
+        if args.threads > usable:
+            print(f"kwker.run: warning: --threads {args.threads} on {usable} CPUs: threads share a CPU, and each "
+                  "barrier between them waits for a context switch (torch runs no more threads than the machine "
+                  "has CPUs)", file=sys.stderr)
         env["OMP_NUM_THREADS"] = str(args.threads)
     else:
         env.setdefault("OMP_NUM_THREADS", str(len(cpus or allowed_cpus)))

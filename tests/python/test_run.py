@@ -119,6 +119,15 @@ def test_bad_options_name_the_problem(options, message):
     assert message in out.stderr
 
 
+def test_more_threads_than_cpus_is_warned_about(tmp_path):
+    (tmp_path / "nothing.py").write_text("")
+    for options, warned in ((["--cpus", str(CPUS[0]), "--threads", "2"], True), (["--threads", "1"], False)):
+        out = subprocess.run([sys.executable, "-m", "kwker.run", *options, str(tmp_path / "nothing.py")],
+                             capture_output=True, text=True)
+        assert out.returncode == 0 and ("--threads 2 on 1 CPUs: threads share a CPU" in out.stderr) == warned, \
+            out.stderr
+
+
 def test_parse_cpus_reads_taskset_lists():
     assert parse_cpus("0-3,6") == [0, 1, 2, 3, 6]
     assert parse_cpus("2,2,1") == [1, 2]
