@@ -50,10 +50,10 @@ def graphs() -> list[GraphReport]:
 
 
 def format_report() -> str:
-    lines = [f"{'graph':>5}  {'kind':<18} {'nodes':>5} {'compile s':>9}  candidates / fallback ops / why"]
-    for g in _graphs:
-        kind = f"{g.kind}: {g.choice}" if g.choice else g.kind
-        kind += " (recalled)" if g.recalled else ""
+    kinds = [(f"{g.kind}: {g.choice}" if g.choice else g.kind) + (" (recalled)" if g.recalled else "") for g in _graphs]
+    width = max([18, *map(len, kinds)])
+    lines = [f"{'graph':>5}  {'kind':<{width}} {'nodes':>5} {'compile s':>9}  candidates / fallback ops / why"]
+    for g, kind in zip(_graphs, kinds):
         if g.candidates:
             extra = ", ".join(f"{name} {ms:.3g} ms" for name, ms in g.candidates.items())
             extra += "".join(f"; {name} left out: {why}" for name, why in g.left_out.items())
@@ -61,7 +61,7 @@ def format_report() -> str:
             extra = ", ".join(f"{op} ×{n}" if n > 1 else op for op, n in Counter(g.fallback_ops).items())
         else:
             extra = g.why
-        lines.append(f"{g.index:>5}  {kind:<18} {g.nodes:>5} {g.seconds:>9.2f}  {extra}")
+        lines.append(f"{g.index:>5}  {kind:<{width}} {g.nodes:>5} {g.seconds:>9.2f}  {extra}")
     return "\n".join(lines)
 
 
