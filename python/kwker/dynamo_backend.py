@@ -168,14 +168,14 @@ def tune_training(gm: torch.fx.GraphModule, example_inputs, opts: KwkerOptions):
     or whose inputs have gradient hooks (the timing's backward passes would
     call them). A choice remembered from an earlier tuning of this graph is
     built alone (kwker.choices)."""
-    def build_inductor():
+    def inductor_timed():
         # The backward compiled with the forward: compiled lazily, at the timing's
         # first backward, it would be compiled inside this compile, which Dynamo refuses.
         with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
             return compile_with_inductor(gm, example_inputs, opts)
 
     key = choices.key("training", gm, example_inputs, opts)
-    builders = {"inductor": build_inductor, "eager": lambda: gm}
+    builders = {"inductor": lambda: compile_with_inductor(gm, example_inputs, opts), "eager": lambda: gm}
     recalled = build_remembered("training", key, builders, {})
     if recalled:
         return recalled
@@ -189,10 +189,15 @@ def tune_training(gm: torch.fx.GraphModule, example_inputs, opts: KwkerOptions):
         why_not = "a training graph whose inputs have gradient hooks, which timing runs would call: not timed"
     if why_not:
         return "inductor", compile_with_inductor(gm, example_inputs, opts), {"why": why_not}
-    choice = choose(builders, example_inputs, reference="inductor", truth="eager", run=forward_and_backward,
-                    written=written, tolerance=under_autocast(gm, TRAINING_TOLERANCE))
+    choice = choose({**builders, "inductor": inductor_timed}, example_inputs, reference="inductor", truth="eager",
+                    run=forward_and_backward, written=written, tolerance=under_autocast(gm, TRAINING_TOLERANCE))
     choices.remember(key, choices.Record(choice.name, None, choice.ms))
-    return "training", choice.fn, {"candidates": choice.ms, "choice": choice.name, "left_out": choice.left_out}
+    # Inductor kept is compiled again as stock Inductor compiles it, its backward lazily: the
+    # timed one's, compiled before any backward said whether it keeps the graph, takes
+    # the saved tensors' buffers for its own and refuses backward(retain_graph=True) and
+    # create_graph=True (a second compile of the forward, from Inductor's caches).
+    kept = builders["inductor"]() if choice.name == "inductor" else choice.fn
+    return "training", kept, {"candidates": choice.ms, "choice": choice.name, "left_out": choice.left_out}
 
 
 # The most bytes of written inputs that tuning keeps a copy of, to put back after each run.

@@ -228,7 +228,8 @@ class _Lowering:
         if all(a in self.folded for a in inputs) and not why_run_only_as_called(node):
             return self.fold(node)
         vals = _tensor_vals(node)
-        if _is_view_op(node) or (len(vals) == 1 and storage_key(vals[0]) in self.buffers and not _is_inplace_op(node)):
+        if _is_view_op(node) or _restrides_only(node) or \
+                (len(vals) == 1 and storage_key(vals[0]) in self.buffers and not _is_inplace_op(node)):
             return  # an alias (a view, or _unsafe_view): another view of its input's buffer
         if _is_inplace_op(node):
             lowering = INPLACE_LOWERINGS.get(node.target)
@@ -367,6 +368,29 @@ def _is_view_op(node: Node) -> bool:
 
 def _is_inplace_op(node: Node) -> bool:
     return _returns_alias(node, write=True)
+
+
+# In-place ops that change a tensor's view of its memory, not the memory.
+_RESTRIDES = {aten.as_strided_.default, aten.transpose_.default, aten.t_.default, aten.squeeze_.default,
+              aten.squeeze_.dim, aten.squeeze_.dims, aten.unsqueeze_.default, aten.swapdims_.default,
+              aten.swapaxes_.default}
+
+
+def _restrides_only(node: Node) -> bool:
+    """An in-place op of _RESTRIDES (a channels_last mean's keepdim output
+    restrided with as_strided_): another view of its input's buffer, as a
+    view op's. Raises NotLowerable where a later op reads the input, whose
+    view eager changed under it and the plan would not."""
+    if node.target not in _RESTRIDES:
+        return False
+    source = node.args[0]
+    later = node.next
+    while later.op != "output" and later not in source.users:
+        later = later.next
+    if later in source.users:  # the output too: it would return the view from before
+        raise NotLowerable(f"{node.name} ({node.target}) changes the view of {source.name}, which {later.name} "
+                           "reads after it")
+    return True
 
 
 # ---- native steps, one function per op --------------------------------------------------

@@ -526,6 +526,30 @@ def test_a_training_graph_is_tuned_over_forward_and_backward_and_trains_as_eager
     assert graph.choice in graph.candidates
 
 
+@pytest.mark.parametrize("kept", ["inductor", "eager"])
+def test_a_training_graph_backpropagates_twice_and_with_create_graph_as_eager_whichever_is_kept(kept, monkeypatch):
+    """Stock Inductor's backward, compiled lazily, runs backward(retain_graph=True)
+    and create_graph=True; the one compiled for timing took the saved tensors'
+    buffers and refused them ("non-empty donated buffers")."""
+    monkeypatch.setattr(kwker.tune, "_fastest", lambda ms, reference: kept)
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    ref = copy.deepcopy(net)
+    x = torch.randn(5, 16)
+    compiled = torch.compile(net, backend="kwker")
+    for model, f in ((net, compiled), (ref, ref)):
+        loss = f(x).pow(2).sum()
+        loss.backward(retain_graph=True)
+        loss.backward()
+        model.first = torch.autograd.grad(f(x).pow(2).sum(), list(model.parameters()), create_graph=True)
+    for p, q in zip(net.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
+    for g, h in zip(net.first, ref.first):
+        torch.testing.assert_close(g, h, rtol=1e-4, atol=1e-5)
+    (graph,) = summary.graphs()
+    assert graph.kind == "training" and graph.choice == kept, kwker.report()
+
+
 def test_a_training_batch_norm_moves_its_statistics_once_per_call():
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU(),
@@ -638,6 +662,29 @@ def plan_recording(made: dict):
         return made["plan"]
 
     return backend
+
+
+def test_a_channels_last_global_average_pool_restrided_in_place_is_a_view_in_a_plan():
+    """ATen restrides the keepdim mean of a channels_last tensor with as_strided_,
+    which the plan took for a write of the mean's buffer and refused to build."""
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.AdaptiveAvgPool2d(1)).eval()
+    x = torch.randn(2, 3, 9, 9).to(memory_format=torch.channels_last)
+    made = {}
+    with torch.no_grad():
+        out = torch.compile(net, backend=plan_recording(made))(x)
+        torch.testing.assert_close(out, net(x), **PLAN_TOLERANCE[torch.float32])
+    assert out.stride() == net(x).stride() and "aten.as_strided_.default" not in made["detail"]["fallback_ops"]
+
+
+def test_an_in_place_restride_of_a_tensor_read_after_it_is_not_lowerable():
+    from kwker.lower import NotLowerable, _restrides_only
+
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    t = graph.call_function(torch.ops.aten.t_.default, (x,))
+    graph.output(graph.call_function(torch.ops.aten.add.Tensor, (x, 1)))  # reads x as it was before t_
+    with pytest.raises(NotLowerable, match="changes the view of x, which add_tensor reads after it"):
+        _restrides_only(t)
 
 
 def test_a_weight_read_by_several_linears_is_copied_once_for_each_way_they_read_it():
