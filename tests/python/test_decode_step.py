@@ -445,14 +445,6 @@ class _UnweightedNorm(torch.nn.Module):
         return ((h - mean) * torch.rsqrt(variance + 1e-5)).to(x.dtype)
 
 
-class _OffCentreNorm(torch.nn.Module):
-    """A written-out layer norm's shape, centred on another tensor's mean: not one."""
-
-    def forward(self, h, other):
-        mean = other.mean(-1, keepdim=True)
-        return (h - mean) * torch.rsqrt((h - mean).pow(2).mean(-1, keepdim=True) + 1e-5)
-
-
 def _assert_native_and_close(traced, module, inputs, dtype, bf16_tolerance):
     """traced lowers with no fallback step, and both it and its plan give
     module's result in its dtype (float32 within 1e-5, bf16 within the given
@@ -524,6 +516,37 @@ def test_olmo2s_and_heliums_rms_norms_are_one_native_rms_norm_rounded_once(modul
     (norm,) = [n for n in traced.graph.nodes if n.target is torch.ops.kwker.rms_norm.default]
     assert norm.args[3] == (NORM_LLAMA if dtype == torch.float32 else NORM_OLMO)
     _assert_native_and_close(traced, module, inputs, dtype, bf16_tolerance=2**-8)
+
+
+class _GemmaNormAlpha(torch.nn.Module):
+    """Gemma's RMSNorm with its 1 added with an alpha (w + 2): not Gemma's norm."""
+
+    def forward(self, x, w):
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return (h * torch.add(w.float(), 1.0, alpha=2)).to(x.dtype)
+
+
+class _RotaryAlpha(torch.nn.Module):
+    """rotate_half's rotary with its sum added with an alpha: not kwker's rotary."""
+
+    def forward(self, x, cos, sin):
+        rotated = torch.cat((-x[..., 8:], x[..., :8]), dim=-1)
+        return torch.add(x * cos, rotated * sin, alpha=2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_add_with_an_alpha_is_no_gemma_norms_one_plus_nor_a_rotarys_sum(dtype):
+    from kwker.aten_graph import trace_to_aten
+    from kwker.rewrite import rewrite_language_model
+
+    torch.manual_seed(0)
+    for lookalike, inputs in ((_GemmaNormAlpha(), [torch.randn(3, 96), torch.randn(96)]),  # its x̂ may still fuse
+                              (_RotaryAlpha(), [torch.randn(2, 4, 3, 16)] * 3)):
+        inputs = [t.to(dtype) for t in inputs]
+        traced = trace_to_aten(lookalike, inputs)
+        rewrite_language_model(traced)
+        torch.testing.assert_close(traced(*inputs), lookalike(*inputs))
 
 
 class _PositionScaleAndGate(torch.nn.Module):

@@ -68,7 +68,7 @@ def _fuse_gemma_tail(graph, normed, x, eps) -> int:
     if not is_call(scaled, aten.mul.Tensor):
         return 0
     one_plus = other_arg(scaled, normed)
-    if not (is_call(one_plus, aten.add.Tensor) and one_plus.args[1] == 1.0):
+    if not (is_call(one_plus, aten.add.Tensor) and one_plus.args[1] == 1.0 and not one_plus.kwargs):  # alpha=1
         return 0
     weight = strip_float_upcast(one_plus.args[0])
     cast = only_user(scaled)

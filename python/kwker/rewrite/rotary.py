@@ -10,7 +10,7 @@ from kwker.rewrite.match import aten, is_call, last_dim, replace, val
 def fuse_rotary(gm: torch.fx.GraphModule) -> int:
     count = 0
     for add in list(gm.graph.nodes):
-        if is_call(add, aten.add.Tensor) and len(add.args) == 2:
+        if is_call(add, aten.add.Tensor) and len(add.args) == 2 and not add.kwargs:  # alpha=1
             match = _match(*add.args) or _match(*reversed(add.args))
             if match:
                 replace(gm.graph, add, ops.rotary.default, match)
@@ -44,6 +44,6 @@ def _is_rotate_half(node, x) -> bool:
 def _is_slice(node, x, start, end) -> bool:
     if not (is_call(node, aten.slice.Tensor) and node.args[0] is x):
         return False
-    dim, lo, hi = (list(node.args[1:]) + [0, None, None])[:3]
+    dim, lo, hi, step = (list(node.args[1:]) + [0, None, None, 1])[:4]
     hi = val(x).shape[-1] if hi is None else min(hi, val(x).shape[-1])
-    return last_dim(dim, val(x).dim()) and (lo or 0) == start and hi == end
+    return last_dim(dim, val(x).dim()) and (lo or 0) == start and hi == end and step == 1
