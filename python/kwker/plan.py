@@ -62,7 +62,9 @@ def compile_plan(gm: torch.fx.GraphModule, example_inputs, glue: bool = True, cl
         if data_dependent is not None:  # capture_dynamic_output_shape_ops, capture_scalar_outputs
             raise NotLowerable(f"{data_dependent.name} ({data_dependent.target}) has a size or value known only when "
                                "the graph runs; a plan's buffers are sized when it is built")
-        params = {name: t for name, t in zip(placeholders, example_inputs) if isinstance(t, torch.nn.Parameter)}
+        # A parameter the graph writes is read as it is: a copy would go stale within the call that writes it.
+        params = {name: t for i, (name, t) in enumerate(zip(placeholders, example_inputs))
+                  if isinstance(t, torch.nn.Parameter) and i not in written}
         counts, copies = rewrite_language_model(aten_gm, params, glue=glue, arena=arena)
     finally:
         arena.close()

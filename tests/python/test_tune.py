@@ -687,6 +687,34 @@ def test_an_in_place_restride_of_a_tensor_read_after_it_is_not_lowerable():
         _restrides_only(t)
 
 
+class _ScalesItsWeight(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(256, 256, bias=False)
+        with torch.no_grad():
+            self.lin.weight.copy_(self.lin.weight.bfloat16().float())  # bf16-valued: copied where read as it was
+
+    def forward(self, x):
+        y = self.lin(x)
+        with torch.no_grad():
+            self.lin.weight.mul_(2.0)
+        return y
+
+
+def test_a_weight_the_graph_writes_is_not_copied_and_each_call_reads_it_as_it_is():
+    """Its plan once read a copy of a weight it writes (the plan's own writes
+    faulting on the watched pages); a copy is stale within the call that writes."""
+    net, ref = _ScalesItsWeight(), _ScalesItsWeight()
+    ref.load_state_dict(net.state_dict())
+    made, x = {}, torch.randn(16, 256)
+    compiled = torch.compile(net, backend=plan_recording(made))
+    with torch.no_grad():
+        for _ in range(3):
+            torch.testing.assert_close(compiled(x), ref(x), **PLAN_TOLERANCE[torch.float32])
+    torch.testing.assert_close(net.lin.weight, ref.lin.weight)
+    assert made["detail"]["copies"] == 0
+
+
 def test_a_weight_read_by_several_linears_is_copied_once_for_each_way_they_read_it():
     """One weight read by a group over one input (stacked with another), alone
     over a second input, again alone over a third, and as [K, N] (addmm, as
