@@ -19,6 +19,8 @@ int kw__rows_of(const kw_tensor *t, int64_t *rows, int64_t *row_stride) {
 }
 
 int kw__is_contiguous(const kw_tensor *t) {
+    for (int d = 0; d < t->ndim; d++)
+        if (t->shape[d] == 0) return 1; /* no elements: any strides, as PyTorch's is_contiguous */
     int64_t expect = 1;
     for (int d = t->ndim - 1; d >= 0; d--) {
         if (t->shape[d] != 1 && t->stride[d] != expect) return 0;

@@ -165,7 +165,7 @@ static inline char *kw__row(const kw__row_ref *r, int64_t row) {
     return r->p + (size_t)(row * r->rs) * kw_dtype_size(r->dt);
 }
 
-/* Row-major contiguous (size-1 dims may have any stride). */
+/* Row-major contiguous (size-1 dims may have any stride; a tensor of no elements is). */
 int kw__is_contiguous(const kw_tensor *t);
 
 /* Same shape, element for element. */

@@ -111,8 +111,12 @@ def tune_inference(gm: torch.fx.GraphModule, example_inputs, opts: KwkerOptions)
     aten_gm, written, why_not = traced(gm, example_inputs)
     if why_not:
         return "inductor", compile_with_inductor(gm, example_inputs, opts), {"why": why_not}
-    unfit = unfit_for_kernels(gm, example_inputs)
-    arena = None if unfit else reserve_weights(gm, example_inputs)  # faults in while Inductor compiles
+    unfit, arena = unfit_for_kernels(gm, example_inputs), None
+    try:
+        arena = None if unfit else reserve_weights(gm, example_inputs)  # faults in while Inductor compiles
+    except Exception as e:  # a bug of kwker's: the plan is left out, the other candidates timed
+        log.warning("kwker: reserving its plan's weight copies failed; the other candidates are timed", exc_info=True)
+        unfit = f"reserving its weight copies failed ({type(e).__name__}: {e})"
     builders["plan"] = functools.partial(build_plan, aten_gm=aten_gm, arena=arena) if not unfit else \
         functools.partial(_not_lowerable, unfit)
     if not worth_freezing(aten_gm) or written:  # a written tensor is no constant

@@ -687,6 +687,14 @@ def test_an_in_place_restride_of_a_tensor_read_after_it_is_not_lowerable():
         _restrides_only(t)
 
 
+def test_a_linear_over_no_features_gives_eagers_zeros():
+    """Its [5, 0] weight, strides (1, 1), is contiguous to PyTorch; kwker's check
+    of a bf16 copy refused it and failed the compile."""
+    net, x = torch.nn.Linear(0, 5).eval(), torch.randn(3, 0)
+    with torch.no_grad():
+        torch.testing.assert_close(torch.compile(net, backend="kwker")(x), net(x))
+
+
 class _ScalesItsWeight(torch.nn.Module):
     def __init__(self):
         super().__init__()
