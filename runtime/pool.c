@@ -149,9 +149,13 @@ kw_pool *kw_pool_create(int n_threads) {
     pool->threads = calloc((size_t)n_threads, sizeof(pthread_t));
     if (!pool->threads) goto fail;
     /* Workers inherit a mask that blocks every signal, so signals (Ctrl-C in
-     * Python) keep going to the threads that expect them. */
+     * Python) keep going to the threads that expect them; but not the signals of
+     * a fault, which the kernel delivers to the faulting thread: one blocked there
+     * kills the process instead of running its handler (a worker writing a page
+     * kwker's write watches made read-only, whose handler re-opens it). */
     sigset_t all, old;
     sigfillset(&all);
+    for (const int *s = (const int[]){SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGTRAP, 0}; *s; s++) sigdelset(&all, *s);
     pthread_sigmask(SIG_SETMASK, &all, &old);
     for (int i = 1; i < n_threads; i++) {
         kw__worker *w = malloc(sizeof *w);

@@ -3,10 +3,13 @@
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
+#include <sys/mman.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "kw_mem.h"
 #include "kw_pool.h"
+#include "kw_watch.h"
 
 static void sleep_us(long us) {
     struct timespec ts = {us / 1000000, (us % 1000000) * 1000};
@@ -23,6 +26,29 @@ static void count(void *arg, int ith, int nth) {
     atomic_fetch_add(&t->calls, 1);
     atomic_fetch_or(&t->mask, 1 << ith);
     t->nth_seen = nth;
+}
+
+static void worker_writes(void *arg, int ith, int nth) {
+    (void)nth;
+    if (ith == 1) ((unsigned char *)arg)[1] ^= 0xff;
+}
+
+/* A worker's fault goes to the process's handler: a worker writing a page that
+ * a watch made read-only once killed the process (the workers blocked every
+ * signal, and the kernel then takes the default action for a fault's). */
+Test(pool, a_worker_writing_a_watched_page_is_seen_and_goes_on) {
+    const size_t page = (size_t)sysconf(_SC_PAGESIZE);
+    unsigned char *mem = mmap(NULL, 2 * page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    cr_assert_neq(mem, MAP_FAILED);
+    kw_watch *w = kw_watch_new(mem, 2 * page);
+    kw_pool *pool = kw_pool_create(2);
+    cr_assert(w && pool);
+    kw_pool_run(pool, worker_writes, mem);
+    cr_expect_eq(kw_watch_changed(w), 1);
+    cr_expect_eq(mem[1], 0xff);
+    kw_pool_destroy(pool);
+    kw_watch_free(w);
+    munmap(mem, 2 * page);
 }
 
 Test(pool, every_thread_runs_once_per_run) {

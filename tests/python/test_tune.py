@@ -723,6 +723,29 @@ def test_a_weight_the_graph_writes_is_not_copied_and_each_call_reads_it_as_it_is
     assert made["detail"]["copies"] == 0
 
 
+def test_a_weight_one_plan_copies_and_another_plan_writes_is_read_fresh():
+    """The writing plan's workers fault on the pages the first plan's watch made
+    read-only: the process died (the workers blocked the fault's signal)."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(1024, 1024, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(lin.weight.bfloat16().float())
+    reads, writes = {}, {}
+    read = torch.compile(lambda x: lin(x), backend=plan_recording(reads))
+
+    def scale(s):
+        with torch.no_grad():
+            lin.weight.mul_(s)
+
+    write = torch.compile(scale, backend=plan_recording(writes))
+    x = torch.randn(4, 1024)
+    with torch.no_grad():
+        for i in range(20):
+            torch.testing.assert_close(read(x), x @ lin.weight.T, **PLAN_TOLERANCE[torch.float32])
+            write(2.0 if i % 2 == 0 else 0.5)
+    assert reads["detail"]["copies"] == 1
+
+
 def test_a_weight_read_by_several_linears_is_copied_once_for_each_way_they_read_it():
     """One weight read by a group over one input (stacked with another), alone
     over a second input, again alone over a third, and as [K, N] (addmm, as
