@@ -217,23 +217,31 @@ def choose(builders: dict[str, Callable[[], Callable]], inputs: list, reference:
     # keeps views, which cannot shed it in place, and inputs requiring grad out of timing.
     saved = [(x, x.detach().clone(), x.requires_grad) for x in written]
 
+    def put_back():
+        with torch.no_grad():
+            for x, before, had_history in saved:
+                x.copy_(before)
+                if x.requires_grad and not had_history:
+                    x.detach_()
+
     def run_and_restore(fn):
         try:  # put back after a run that fails too: it may have written them before it raised
             out = run(fn, inputs)
             return [t.clone() if isinstance(t, torch.Tensor) else t for t in _flat_tensors(out)] if saved else out
         finally:
-            with torch.no_grad():
-                for x, before, had_history in saved:
-                    x.copy_(before)
-                    if x.requires_grad and not had_history:
-                        x.detach_()
+            put_back()
 
     built, outputs, left_out, times, first = {}, {}, {}, {}, {}
     reference_failure = None
 
     @functools.cache
     def exact(of: str) -> list | None:
-        return None if _aliased(written, inputs) else _in_float64(run, built[of], inputs)
+        if _aliased(written, inputs):
+            return None
+        try:  # its float64 copies are written, not the inputs, but for those of other dtypes (a count)
+            return _in_float64(run, built[of], inputs)
+        finally:
+            put_back()
 
     def timed_run(fn):
         try:

@@ -628,7 +628,8 @@ def test_a_gradient_zero_in_exact_arithmetic_keeps_no_right_candidate_out():
     ref(x).sum().backward()
     for p, q in zip(net.parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(net[1].running_mean, ref[1].running_mean)  # moved once, by the call
+    for stat in ("running_mean", "num_batches_tracked"):  # moved once, by the call: not by float64's run
+        torch.testing.assert_close(getattr(net[1], stat), getattr(ref[1], stat))
     (graph,) = summary.graphs()
     assert set(graph.candidates) == {"inductor", "eager"}, kwker.report()
 
