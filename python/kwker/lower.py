@@ -179,11 +179,15 @@ class _Lowering:
         contiguous rows of a value laid out otherwise (Whisper's residual stream
         is the transpose of its convolution's output, as eager lays it out), or
         for an op PyTorch computes in another dtype than t's."""
-        dtype = dtype or t.dtype
-        buf = self.b.arena(t.numel() * dtype.itemsize, f"{node.name}.{'contiguous' if dtype == t.dtype else dtype}")
-        copy = self.b.view(buf, dtype, tuple(t.shape), None, 0)
+        copy = self.contiguous_buffer(node, t, dtype)
         self.op(node, "convert", [copy, self.view(t)])
         return copy
+
+    def contiguous_buffer(self, node: Node, t: torch.Tensor, dtype: torch.dtype | None = None) -> int:
+        """A contiguous arena buffer of t's shape, in dtype (t's by default)."""
+        dtype = dtype or t.dtype
+        buf = self.b.arena(t.numel() * dtype.itemsize, f"{node.name}.{'contiguous' if dtype == t.dtype else dtype}")
+        return self.b.view(buf, dtype, tuple(t.shape), None, 0)
 
     def fresh_copy(self, node: Node, t: torch.Tensor) -> int:
         """A returned value the plan holds as a constant (folded at compile time:
@@ -433,7 +437,18 @@ def _lower_grouped_linear(lw: _Lowering, node: Node):
 
 def _lower_rms_norm(lw: _Lowering, node: Node):
     x, w, eps, form = node.args
-    lw.op(node, "rms_norm", [lw.view(val(node)), lw.view(val(x)), lw.view(val(w))], [form], [eps])
+    views = [lw.view(val(node)), lw.view(val(x)), lw.view(val(w))]
+    if val(x).is_contiguous() or lw.b.check_op("rms_norm", views, [form], [eps]) is None:
+        return lw.op(node, "rms_norm", views, [form], [eps])
+    # Rows not evenly strided (Gemma 3's q/k norms over a chunk's heads, transposed, and its
+    # output laid out as x): normalised between contiguous copies, which cost less than
+    # PyTorch's norm as a fallback step.
+    views[1] = lw.contiguous_copy(node, val(x))
+    if val(node).is_contiguous():
+        return lw.op(node, "rms_norm", views, [form], [eps])
+    views[0] = lw.contiguous_buffer(node, val(node))
+    lw.op(node, "rms_norm", views, [form], [eps])
+    lw.op(node, "convert", [lw.view(val(node)), views[0]])
 
 
 def _lower_add_rms_norm(lw: _Lowering, node: Node):
