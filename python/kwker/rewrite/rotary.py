@@ -4,7 +4,7 @@ x * cos + cat(-x[..., half:], x[..., :half]) * sin."""
 import torch
 
 from kwker.custom_ops import ops
-from kwker.rewrite.match import aten, is_call, last_dim, replace, val
+from kwker.rewrite.match import aten, is_call, last_dim, op_arguments, replace, val
 
 
 def fuse_rotary(gm: torch.fx.GraphModule) -> int:
@@ -44,6 +44,7 @@ def _is_rotate_half(node, x) -> bool:
 def _is_slice(node, x, start, end) -> bool:
     if not (is_call(node, aten.slice.Tensor) and node.args[0] is x):
         return False
-    dim, lo, hi, step = (list(node.args[1:]) + [0, None, None, 1])[:4]
+    given = op_arguments(node)
+    lo, hi = given["start"], given["end"]
     hi = val(x).shape[-1] if hi is None else min(hi, val(x).shape[-1])
-    return last_dim(dim, val(x).dim()) and (lo or 0) == start and hi == end and step == 1
+    return last_dim(given["dim"], val(x).dim()) and (lo or 0) == start and hi == end and given["step"] == 1
