@@ -601,7 +601,7 @@ def test_values_zero_in_exact_arithmetic_agree_through_their_rounding_noise():
 
 
 def test_an_output_farther_than_the_tolerance_agrees_where_it_is_as_near_float64s_as_the_truths():
-    from kwker.tune import EXACT_MARGIN, _differs
+    from kwker.tune import EXACT_BYTES, EXACT_MARGIN, _differs, _in_float64
 
     truth = [torch.tensor([7e-7, -5e-7, 2e-7])]  # rounding noise far above ABS_FLOOR's share
     other = [torch.tensor([-9e-7, 4e-7, 8e-7])]
@@ -611,8 +611,12 @@ def test_an_output_farther_than_the_tolerance_agrees_where_it_is_as_near_float64
     assert _differs([t * 2 * EXACT_MARGIN for t in other], truth, exact=lambda: exact) is not None
     assert _differs([torch.tensor([1e-3, 0.0, 0.0])], truth, exact=lambda: exact) is not None
     assert _differs(other, truth, exact=lambda: None) is not None  # float64's run failed: the tolerance alone
+    assert _in_float64(lambda fn, xs: fn(*xs), torch.neg, [torch.zeros(EXACT_BYTES // 8 + 1)]) is None  # too big
     value = [torch.tensor([1.0, 2.0, 3.0], dtype=torch.bfloat16)]  # not noise: the tolerance alone
     assert _differs([value[0] * 1.05], value, exact=lambda: [value[0].double() * 1.04]) is not None
+    # all noise, but not zero (a cancellation lost every digit): a flipped sign is no rounding
+    cancelled, exact = [torch.zeros(3)], [torch.tensor([1e-4, -2e-4, 3e-4], dtype=torch.float64)]
+    assert _differs([-exact[0].float()], cancelled, exact=lambda: exact) is not None
 
 
 def test_a_gradient_zero_in_exact_arithmetic_keeps_no_right_candidate_out():
