@@ -18,7 +18,7 @@ from kwker.rewrite import rewrite_language_model
 from kwker.rewrite.match import why_run_only_as_called
 from kwker.routing import route_graph, size_inputs, unfit_for_kernels
 from kwker.threads import warn_once_if_openmp_spins
-from kwker.tune import TOLERANCE, TRAINING_TOLERANCE, FirstCallServed, choose, forward_and_backward, under_autocast
+from kwker.tune import TOLERANCE, TRAINING_TOLERANCE, FirstCallServed, choose, forward_and_backward, output_tolerance
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +122,7 @@ def tune_inference(gm: torch.fx.GraphModule, example_inputs, opts: KwkerOptions)
     if not worth_freezing(aten_gm) or written:  # a written tensor is no constant
         del builders["frozen"]
     choice = choose(builders, example_inputs, reference="inductor", truth="eager", written=written,
-                    tolerance=under_autocast(gm, TOLERANCE), gates={"frozen": cannot_win})
+                    tolerance=output_tolerance(gm, example_inputs, TOLERANCE), gates={"frozen": cannot_win})
     choices.remember(key, choices.Record(choice.name, choice.fallback, choice.ms))
     if choice.name == "frozen" and choice.fallback is not None:  # else Dynamo's graph, FrozenGraph's own
         choice.fn.fallback = choice.built[choice.fallback]
@@ -194,7 +194,8 @@ def tune_training(gm: torch.fx.GraphModule, example_inputs, opts: KwkerOptions):
     if why_not:
         return "inductor", compile_with_inductor(gm, example_inputs, opts), {"why": why_not}
     choice = choose({**builders, "inductor": inductor_timed}, example_inputs, reference="inductor", truth="eager",
-                    run=forward_and_backward, written=written, tolerance=under_autocast(gm, TRAINING_TOLERANCE))
+                    run=forward_and_backward, written=written,
+                    tolerance=output_tolerance(gm, example_inputs, TRAINING_TOLERANCE))
     choices.remember(key, choices.Record(choice.name, None, choice.ms))
     # Inductor kept is compiled again as stock Inductor compiles it, its backward lazily: the
     # timed one's, compiled before any backward said whether it keeps the graph, takes
