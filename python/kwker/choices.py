@@ -37,6 +37,7 @@ import hashlib
 import json
 import logging
 import os
+import stat
 import threading
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -85,15 +86,19 @@ MAX_RECORD_BYTES = 1 << 16  # a record is a choice and a few candidates' times: 
 def recall(key_: str) -> Record | None:
     """The record under key_, or None (caches off, none, or one that cannot be read: logged)."""
     folder = directory()
-    path = folder / f"{key_}.json" if folder else None
-    if path is None or not path.exists():
+    if folder is None:
         return None
+    path = folder / f"{key_}.json"
     try:
-        if not path.is_file():  # a FIFO would block the read forever, /dev/zero fill the memory
+        if not stat.S_ISREG(path.stat().st_mode):  # a FIFO would block the read forever, /dev/zero fill the memory
             raise ValueError("not a regular file")
-        if path.stat().st_size > MAX_RECORD_BYTES:
-            raise ValueError(f"{path.stat().st_size} bytes, no record is over {MAX_RECORD_BYTES}")
-        return _checked(Record(**json.loads(path.read_text())))
+        with path.open("rb") as f:
+            text = f.read(MAX_RECORD_BYTES + 1)  # bounded: the file may grow after the stat
+        if len(text) > MAX_RECORD_BYTES:
+            raise ValueError(f"over {MAX_RECORD_BYTES} bytes, which no record is")
+        return _checked(Record(**json.loads(text)))
+    except FileNotFoundError:
+        return None
     except (OSError, ValueError, TypeError, RecursionError) as e:  # RecursionError: JSON nested too deep
         log.warning("kwker: the tuning choice in %s cannot be read (%s: %s); the graph is tuned again",
                     path, type(e).__name__, e)

@@ -437,18 +437,30 @@ def _lower_grouped_linear(lw: _Lowering, node: Node):
 
 def _lower_rms_norm(lw: _Lowering, node: Node):
     x, w, eps, form = node.args
-    views = [lw.view(val(node)), lw.view(val(x)), lw.view(val(w))]
-    if val(x).is_contiguous() or lw.b.check_op("rms_norm", views, [form], [eps]) is None:
-        return lw.op(node, "rms_norm", views, [form], [eps])
-    # Rows not evenly strided (Gemma 3's q/k norms over a chunk's heads, transposed, and its
-    # output laid out as x): normalised between contiguous copies, which cost less than
-    # PyTorch's norm as a fallback step.
-    views[1] = lw.contiguous_copy(node, val(x))
-    if val(node).is_contiguous():
-        return lw.op(node, "rms_norm", views, [form], [eps])
-    views[0] = lw.contiguous_buffer(node, val(node))
-    lw.op(node, "rms_norm", views, [form], [eps])
-    lw.op(node, "convert", [lw.view(val(node)), views[0]])
+    _lower_row_norm(lw, node, "rms_norm", val(node), val(x), [lw.view(val(w))], [form], [eps])
+
+
+def _lower_row_norm(lw: _Lowering, node: Node, name: str, out: torch.Tensor, x: torch.Tensor, params: list,
+                    ip: list, fp: list):
+    """A norm over the last dim of x into out, params its other views. Rows the
+    kernel does not take as laid out (not evenly strided: Gemma 3's q/k norms over a
+    chunk's heads, transposed, and their output laid out as x) are normalised
+    between contiguous copies, which cost less than PyTorch's norm as a fallback
+    step. Raises _Rejected, having added no step, when no layout is taken."""
+    views = [lw.view(out), lw.view(x), *params]
+    if lw.b.check_op(name, views, ip, fp) is None:
+        return lw.op(node, name, views, ip, fp)
+    x_copy = lw.contiguous_buffer(node, x)
+    copied = [views[0], x_copy, *params]
+    if lw.b.check_op(name, copied, ip, fp) is not None:
+        copied[0] = lw.contiguous_buffer(node, out)
+    why = lw.b.check_op(name, copied, ip, fp)
+    if why is not None:
+        raise _Rejected(why)
+    lw.op(node, "convert", [x_copy, views[1]])
+    lw.op(node, name, copied, ip, fp)
+    if copied[0] != views[0]:
+        lw.op(node, "convert", [views[0], copied[0]])
 
 
 def _lower_add_rms_norm(lw: _Lowering, node: Node):
@@ -487,10 +499,7 @@ def _lower_layer_norm(lw: _Lowering, node: Node):
     out, mean, rstd = val(node)
     if list(shape) != [val(x).shape[-1]] or any(u.args[1] != 0 for u in node.users):
         return False
-    views = [lw.view(out), lw.view(val(x)), lw.arg_view(weight), lw.arg_view(bias)]
-    if not val(x).is_contiguous() and lw.b.check_op("layer_norm", views, [], [eps]) is not None:
-        views[1] = lw.contiguous_copy(node, val(x))  # a native copy costs less than PyTorch's norm as a fallback
-    lw.op(node, "layer_norm", views, [], [eps])
+    _lower_row_norm(lw, node, "layer_norm", out, val(x), [lw.arg_view(weight), lw.arg_view(bias)], [], [eps])
 
 
 def _lower_softmax(lw: _Lowering, node: Node):

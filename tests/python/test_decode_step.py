@@ -405,6 +405,25 @@ def test_a_layer_norm_of_a_transposed_value_is_native_over_a_contiguous_copy():
     torch.testing.assert_close(out, _TransposedNorm()(*inputs), rtol=1e-5, atol=1e-5)
 
 
+def test_a_norm_the_kernel_takes_in_no_layout_adds_no_copy_before_its_fallback():
+    """A float16 layer norm (the kernel's dtypes are float32 and bfloat16) of a
+    transposed value: PyTorch's norm runs on the value as it is; a contiguous
+    copy made for the kernel first would be a step of wasted time."""
+    from kwker.aten_graph import trace_to_aten
+    from kwker.lower import lower_to_plan
+
+    def norm(x, w):
+        return torch.nn.functional.layer_norm(x.t(), (x.shape[0],), w)
+
+    inputs = [torch.randn(16, 8, dtype=torch.float16), torch.randn(16, dtype=torch.float16)]
+    gm = trace_to_aten(norm, inputs)
+    gm.graph.eliminate_dead_code()
+    plan, report = lower_to_plan(gm, inputs, [])
+    assert report.fallback_ops == ["aten.native_layer_norm.default"] and report.native_steps == 0, report
+    (out,) = plan(*inputs)
+    torch.testing.assert_close(out, norm(*inputs))
+
+
 class _OffCentreNorm(torch.nn.Module):
     """A written-out layer norm's shape, centred on another tensor's mean: not one."""
 
