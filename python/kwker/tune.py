@@ -29,6 +29,12 @@ import torch
 
 log = logging.getLogger(__name__)
 
+# Dynamo's own control flow, raised through a candidate's compile, never a candidate's failure: Inductor's
+# compile of a graph given a float as an input that it cannot keep symbolic (`x ** self.p` after self.p
+# changed) marks the float to be specialised and raises TensorifyScalarRestartAnalysis for Dynamo to trace
+# the frame again. Taken for a failure, it left Inductor out of that graph (the warning said nothing more).
+DYNAMO_RESTARTS = (torch._dynamo.exc.RestartAnalysis,)
+
 # Another candidate replaces the reference when its median is below this share of the reference's.
 MARGIN = 0.97
 # Rounds of timing: at least MIN_ROUNDS; more, up to MAX_ROUNDS, while under BUDGET_S seconds.
@@ -289,6 +295,8 @@ def choose(builders: dict[str, Callable[[], Callable]], inputs: list, reference:
                 outputs[name] = run_and_restore(fn)
                 first[name] = time.perf_counter() - ran
             built[name] = fn
+        except DYNAMO_RESTARTS:
+            raise
         except Exception as e:
             if name == reference and truth is None:
                 raise

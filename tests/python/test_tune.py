@@ -310,6 +310,32 @@ def test_an_inference_graph_is_tuned_and_gives_eagers_outputs():
     assert f"tuned: {graph.choice}" in kwker.report()
 
 
+class _Power(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.p = torch.nn.Linear(8, 8), 2.0
+
+    def forward(self, x):
+        return self.lin(x).abs() ** self.p
+
+
+def test_inductor_specialising_a_float_input_makes_dynamo_trace_again_and_stays_a_candidate(caplog):
+    """x ** self.p with self.p changed after the first compile: Dynamo passes p
+    as a symbolic float, and Inductor's compile, which cannot keep it symbolic,
+    raises TensorifyScalarRestartAnalysis for Dynamo to trace the frame again
+    with p specialised. The tuning took that for Inductor's failure and left it
+    out of the graph."""
+    model, x = _Power().eval(), torch.randn(4, 8)
+    compiled = torch.compile(model, backend="kwker")
+    with torch.no_grad(), caplog.at_level(logging.INFO, logger="kwker"):
+        for p in (2.0, 3.0, 2.5):
+            model.p = p
+            torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-5)
+    assert "RestartAnalysis" not in caplog.text
+    graphs = summary.graphs()
+    assert len(graphs) >= 2 and all("inductor" in g.candidates for g in graphs), kwker.report()
+
+
 def test_a_plan_that_fails_to_build_by_a_bug_of_kwkers_is_logged_with_its_traceback(monkeypatch, caplog):
     """A plan's failure other than NotLowerable is kwker's bug: the tuning goes
     on without the plan, and the warning shows where (a cat over a legacy empty
