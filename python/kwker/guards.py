@@ -14,7 +14,14 @@ filter drops one kind of guard, TENSOR_MATCH, on one kind of input: a
 parameter or buffer of the model (its source is inside an nn.Module) that the
 plan checks (Plan.checked_args), when every graph of the frame reading it is
 such a plan compiled with grad mode off (Dynamo's grad-mode guard, kept, holds
-it off on every call, so requires_grad cannot matter). Everything else stays:
+it off on every call, so requires_grad cannot matter), and that lies in a later
+block of a repeated stack (a ModuleList's or Sequential's item past the first).
+The first block's tensors and those outside every stack keep their guards: a
+model's config decides the shapes of all its blocks alike, so a second model
+of the same class with another config (a smaller assistant for assisted
+decoding, a vocabulary resized, another MLP width) fails them and Dynamo
+compiles the step again for it, as without the filter, for about one
+block's share of the guards' cost. Everything else stays:
 the guards on the module structure (hooks, attributes, types), which decide what
 the graph is and which no plan can see; the tensor guards on the call's own
 arguments (ids, masks, the cache), whose change of shape must make Dynamo
@@ -22,13 +29,15 @@ compile again rather than fail; and every guard of a frame compiled by Inductor,
 eager or another backend.
 
 What a kept guard would have done and the plan does instead, for a dropped one:
-a parameter given another shape or dtype raises kwker's PlanError naming it
+a parameter of a later block given another shape or dtype than the first
+block's (a model whose blocks differ, changed in one) raises kwker's PlanError naming it
 (Dynamo would have compiled the frame again: compile again, or run once without
 the filter); one relaid or replaced by another tensor of the same layout is
 read as it is now. What neither checks: a tensor's dispatch keys beyond its
 type and device (a negative-view bit, made only by torch._neg_view).
 """
 
+import re
 import threading
 from collections import OrderedDict
 
@@ -61,13 +70,20 @@ def note_graph(gm: torch.fx.GraphModule, compiled, grad_enabled: bool) -> None:
         for i, node in enumerate(placeholders):
             source = getattr(node.meta.get("grapharg"), "source", None)
             if source is not None:
-                frame[source.name] = frame.get(source.name, True) and i in checked and in_module(source)
+                frame[source.name] = frame.get(source.name, True) and i in checked and in_module(source) \
+                    and in_later_block(source.name)
 
 
 def in_module(source) -> bool:
     """A parameter or buffer reached through an nn.Module (with Dynamo's inlining
     of modules, the default, a module's tensors are graph inputs with such sources)."""
     return source.guard_source.is_unspecialized_nn_module()
+
+
+def in_later_block(name: str) -> bool:
+    """A source inside a repeated stack's item past the first
+    (`..._modules['layers']._modules['3']...`; the first is `'0'`)."""
+    return any(index != "0" for index in re.findall(r"_modules\['(\d+)'\]", name))
 
 
 def guard_filter(entries) -> list[bool]:
