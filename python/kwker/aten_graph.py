@@ -7,7 +7,10 @@ the model's Python looked like), and the replay lowering reads views and
 storages from these values.
 """
 
+import copy
+
 import torch
+from torch._decomp import decompositions
 from torch._dynamo.convert_frame import compile_lock
 from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
@@ -18,6 +21,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from kwker.lower import NotLowerable
 from kwker.rewrite.match import written_arguments
 
+# Composite ops whose C++ code checks their values only on real tensors: traced
+# with fakes the check was gone, and a plan returned one-hot rows for a class
+# past num_classes where eager raises. Traced through torch's Python
+# decompositions, as Inductor's trace is, the checks stay (_assert_async nodes,
+# run by the plan as PyTorch's ops).
+_DECOMPOSED_WITH_CHECKS = {torch._C._nn.one_hot: decompositions.one_hot}
+
 
 def trace_to_aten(gm: torch.fx.GraphModule, example_inputs) -> torch.fx.GraphModule:
     """Inside a backend call Dynamo's fake mode is found; outside it (a plan
@@ -27,6 +37,7 @@ def trace_to_aten(gm: torch.fx.GraphModule, example_inputs) -> torch.fx.GraphMod
     made an input: a module's float attribute changed after the first
     compile), which Inductor may still compile, and where gm writes a tensor
     it holds rather than takes as an input (_RealWritesRefused)."""
+    gm = _with_checks_decomposed(gm)
     fake_mode = detect_fake_mode(example_inputs) or FakeTensorMode(shape_env=ShapeEnv())
     allowed, fake_mode.allow_scalar_outputs = fake_mode.allow_scalar_outputs, True
     with fake_mode:
@@ -48,6 +59,18 @@ def trace_to_aten(gm: torch.fx.GraphModule, example_inputs) -> torch.fx.GraphMod
             raise NotLowerable(f"kwker's ATen trace failed ({type(e).__name__}: {e})") from e
         finally:
             fake_mode.allow_scalar_outputs = allowed
+
+
+def _with_checks_decomposed(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """gm, or a copy of it whose _DECOMPOSED_WITH_CHECKS calls are their
+    decompositions' (gm itself is every candidate's: it stays as it is)."""
+    if not any(n.op == "call_function" and n.target in _DECOMPOSED_WITH_CHECKS for n in gm.graph.nodes):
+        return gm
+    graph = copy.deepcopy(gm.graph)
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target in _DECOMPOSED_WITH_CHECKS:
+            node.target = _DECOMPOSED_WITH_CHECKS[node.target]
+    return torch.fx.GraphModule(gm, graph)
 
 
 class _RealWrite(Exception):

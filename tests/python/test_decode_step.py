@@ -424,6 +424,26 @@ def test_a_norm_the_kernel_takes_in_no_layout_adds_no_copy_before_its_fallback()
     torch.testing.assert_close(out, norm(*inputs))
 
 
+def test_a_plan_of_one_hot_checks_the_classes_as_eager_does():
+    """one_hot's C++ code checks the class values only on real tensors: traced
+    with fakes, a plan returned rows for a class past num_classes (and for a
+    negative one) where eager raises."""
+    from kwker.aten_graph import trace_to_aten
+    from kwker.lower import lower_to_plan
+
+    def counts(i):
+        return torch.nn.functional.one_hot(i, 5).sum(0)
+
+    gm = trace_to_aten(torch.fx.symbolic_trace(counts), [torch.tensor([0, 1, 2, 3, 4, 4])])
+    plan, _ = lower_to_plan(gm, [torch.tensor([0, 1, 2, 3, 4, 4])], [])
+    assert torch.equal(plan(torch.tensor([4, 1, 1, 0, 2, 3]))[0], counts(torch.tensor([4, 1, 1, 0, 2, 3])))
+    for bad, why in (([0, 5, 1, 2, 3, 4], "smaller than num_classes"), ([0, -1, 1, 2, 3, 4], "non-negative")):
+        with pytest.raises(RuntimeError, match=why):
+            counts(torch.tensor(bad))
+        with pytest.raises(RuntimeError, match=why):
+            plan(torch.tensor(bad))
+
+
 class _OffCentreNorm(torch.nn.Module):
     """A written-out layer norm's shape, centred on another tensor's mean: not one."""
 
