@@ -72,13 +72,19 @@ static int barrier_stops(kw__run *r, int at) {
     return stop && stop <= at;
 }
 
-/* Thread 0 runs the host step while the others go straight to the barrier; after
- * it every thread reads the same verdict and a failure stops them all at once. */
-static int run_fallback(kw__run *r, const kw__fallback *f, int ith) {
-    if (ith == 0 && f->fn(f->user, f->views, f->n) != 0)
+/* Thread 0 runs the host step while the others go straight to the barrier;
+ * a failure is a vote to stop at that barrier, as a kernel's fault is. The
+ * verdict must be the barrier's own: a thread that read a shared flag after it
+ * could see a later host step's failure, which thread 0, already past, had
+ * reported, and leave while thread 0 waited for it at the barrier after that
+ * step (the process hung). at: the barrier's count. */
+static int run_fallback(kw__run *r, const kw__fallback *f, int ith, int at) {
+    if (ith == 0 && f->fn(f->user, f->views, f->n) != 0) {
+        int none = 0;
         atomic_store_explicit(&r->rc, KW_ECALLBACK, memory_order_relaxed);
-    kw_pool_barrier(r->pool);
-    return atomic_load_explicit(&r->rc, memory_order_relaxed);
+        atomic_compare_exchange_strong(&r->stop_at, &none, at);
+    }
+    return barrier_stops(r, at);
 }
 
 static void run_steps(void *arg, int ith, int nth) {
@@ -89,7 +95,7 @@ static void run_steps(void *arg, int ith, int nth) {
         if (s->barrier && barrier_stops(r, ++barriers)) return;
         if (s->fn)
             s->fn(s->call, ith, nth);
-        else if (run_fallback(r, &fallbacks[s->fallback], ith))
+        else if (run_fallback(r, &fallbacks[s->fallback], ith, ++barriers))
             return;
     }
 }
@@ -111,7 +117,7 @@ static void run_steps_profiled(void *arg, int ith, int nth) {
         if (s->fn) {
             s->fn(s->call, ith, nth);
             if (barrier_stops(r, ++barriers)) return;
-        } else if (run_fallback(r, &p->fallbacks[s->fallback], ith)) {
+        } else if (run_fallback(r, &p->fallbacks[s->fallback], ith, ++barriers)) {
             return;
         }
         if (ith == 0) p->profile_ns[i] += now_ns() - t0;

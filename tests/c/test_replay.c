@@ -136,6 +136,33 @@ Test(replay, a_failing_fallback_stops_the_replay) {
     kw_pool_destroy(pool);
 }
 
+/* Two host steps in a row, the second failing: the threads that waited at the
+ * first one's barrier once read its verdict from a flag that thread 0, already
+ * through that barrier, had set for the second; they left, and thread 0 waited
+ * for them at the second one's barrier forever. */
+static int zeroing(void *user, kw_tensor *views, int n) {
+    (void)user;
+    for (int i = 0; i < n; i++) memset(views[i].data, 0, sizeof(float) * views[i].shape[0] * views[i].shape[1]);
+    return 0;
+}
+
+Test(replay, a_host_step_failing_after_another_stops_every_thread, .timeout = 60) {
+    kw_pool *pool = kw_pool_create(2);
+    kw_builder *b = kw_builder_create();
+    const int h = kw_builder_arena(b, "h", sizeof(float) * M * H);
+    const int vh = view2(b, h, M, H);
+    kw_builder_fallback(b, zeroing, NULL, &vh, "w", 1);
+    kw_builder_fallback(b, failing, NULL, &vh, "m", 1);
+    kw_plan *plan;
+    char msg[256];
+    const kw_finish_opts o = {.n_threads = 2, .isa = -1};
+    cr_assert_eq(kw_builder_finish(b, &o, &plan, msg, sizeof msg), 0, "%s", msg);
+    kw_builder_destroy(b);
+    for (int call = 0; call < 2000; call++) cr_assert_eq(kw_plan_replay(plan, pool, NULL), KW_ECALLBACK);
+    kw_plan_destroy(plan);
+    kw_pool_destroy(pool);
+}
+
 /* ---- re-entry, binding, misuse -------------------------------------------- */
 
 static kw_plan *reentry_plan;
