@@ -310,6 +310,24 @@ def test_an_inference_graph_is_tuned_and_gives_eagers_outputs():
     assert f"tuned: {graph.choice}" in kwker.report()
 
 
+def test_a_graph_writing_an_input_under_inference_mode_is_tuned_and_writes_it_as_eager_does():
+    """Dynamo compiles with inference mode off, where writing the call's
+    inference tensors (a candidate's run, the put-back after it) raises: the
+    compile failed where stock Inductor's runs."""
+    def f(x, y):
+        x.add_(y)
+        return y * 2
+
+    with torch.inference_mode():
+        x, y = torch.randn(3, 3), torch.randn(3, 3)
+        x_compiled = x.clone()
+        want = f(x, y)
+        got = torch.compile(f, backend="kwker")(x_compiled, y)
+    assert torch.equal(got, want) and torch.equal(x_compiled, x)
+    (graph,) = summary.graphs()
+    assert graph.kind == "tuned" and "eager" in graph.candidates, kwker.report()
+
+
 class _Power(torch.nn.Module):
     def __init__(self):
         super().__init__()
