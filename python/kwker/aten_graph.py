@@ -61,10 +61,12 @@ def trace_to_aten(gm: torch.fx.GraphModule, example_inputs) -> torch.fx.GraphMod
             fake_mode.allow_scalar_outputs = allowed
 
 
-def _with_checks_decomposed(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+def _with_checks_decomposed(gm):
     """gm, or a copy of it whose _DECOMPOSED_WITH_CHECKS calls are their
-    decompositions' (gm itself is every candidate's: it stays as it is)."""
-    if not any(n.op == "call_function" and n.target in _DECOMPOSED_WITH_CHECKS for n in gm.graph.nodes):
+    decompositions' (gm itself is every candidate's: it stays as it is). A
+    callable that is no fx graph (a module traced whole) is traced as it is."""
+    if not isinstance(gm, torch.fx.GraphModule) or \
+            not any(n.op == "call_function" and n.target in _DECOMPOSED_WITH_CHECKS for n in gm.graph.nodes):
         return gm
     graph = copy.deepcopy(gm.graph)
     for node in graph.nodes:
