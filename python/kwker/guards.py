@@ -14,14 +14,18 @@ filter drops one kind of guard, TENSOR_MATCH, on one kind of input: a
 parameter or buffer of the model (its source is inside an nn.Module) that the
 plan checks (Plan.checked_args), when every graph of the frame reading it is
 such a plan compiled with grad mode off (Dynamo's grad-mode guard, kept, holds
-it off on every call, so requires_grad cannot matter), and that lies in a later
-block of a repeated stack (a ModuleList's or Sequential's item past the first).
-The first block's tensors and those outside every stack keep their guards: a
-model's config decides the shapes of all its blocks alike, so a second model
-of the same class with another config (a smaller assistant for assisted
-decoding, a vocabulary resized, another MLP width) fails them and Dynamo
-compiles the step again for it, as without the filter, for about one
-block's share of the guards' cost. Everything else stays:
+it off on every call, so requires_grad cannot matter), and that is not the
+first of its kind. Tensors of one kind differ only in the indices of the stacks
+they lie in (ModuleList or Sequential items: model.layers.3.mlp.up_proj.weight
+and model.layers.5.mlp.up_proj.weight); the first is the one of the lowest
+indices, and a tensor outside every stack is its kind's only one. The first of
+each kind keeps its guards: a model's config decides the shapes of a kind
+alike, so a second model of the same class with another config (a smaller
+assistant for assisted decoding, a vocabulary resized, another MLP width, a
+mixture of experts after dense first layers, T5's feed-forward inside each
+block's list of sublayers) fails them and Dynamo compiles the step again for
+it, as without the filter, for about one block's share of the guards' cost.
+Everything else stays:
 the guards on the module structure (hooks, attributes, types), which decide what
 the graph is and which no plan can see; the tensor guards on the call's own
 arguments (ids, masks, the cache), whose change of shape must make Dynamo
@@ -29,8 +33,8 @@ compile again rather than fail; and every guard of a frame compiled by Inductor,
 eager or another backend.
 
 What a kept guard would have done and the plan does instead, for a dropped one:
-a parameter of a later block given another shape or dtype than the first
-block's (a model whose blocks differ, changed in one) raises kwker's PlanError naming it
+a parameter given another shape or dtype than the first of its kind (blocks
+that differ in size, or one block changed) raises kwker's PlanError naming it
 (Dynamo would have compiled the frame again: compile again, or run once without
 the filter); one relaid or replaced by another tensor of the same layout is
 read as it is now. What neither checks: a tensor's dispatch keys beyond its
@@ -70,8 +74,7 @@ def note_graph(gm: torch.fx.GraphModule, compiled, grad_enabled: bool) -> None:
         for i, node in enumerate(placeholders):
             source = getattr(node.meta.get("grapharg"), "source", None)
             if source is not None:
-                frame[source.name] = frame.get(source.name, True) and i in checked and in_module(source) \
-                    and in_later_block(source.name)
+                frame[source.name] = frame.get(source.name, True) and i in checked and in_module(source)
 
 
 def in_module(source) -> bool:
@@ -80,16 +83,26 @@ def in_module(source) -> bool:
     return source.guard_source.is_unspecialized_nn_module()
 
 
-def in_later_block(name: str) -> bool:
-    """A source inside a repeated stack's item past the first
-    (`..._modules['layers']._modules['3']...`; the first is `'0'`)."""
-    return any(index != "0" for index in re.findall(r"_modules\['(\d+)'\]", name))
+_STACK_INDEX = re.compile(r"_modules\['(\d+)'\]")
+
+
+def first_of_each_kind(names) -> set[str]:
+    """Of the source names that differ only in their stacks' indices
+    (`..._modules['layers']._modules['3']...`), the one of the lowest indices."""
+    first = {}
+    for name in names:
+        kind, indices = _STACK_INDEX.sub("_modules['*']", name), [int(i) for i in _STACK_INDEX.findall(name)]
+        if kind not in first or indices < first[kind][0]:
+            first[kind] = (indices, name)
+    return {name for _, name in first.values()}
 
 
 def guard_filter(entries) -> list[bool]:
     """torch.compile's guard_filter_fn: keeps every guard but the tensor guards
-    on module tensors that the frame's kwker plans recheck (module docstring)."""
+    on module tensors that the frame's kwker plans recheck, past the first of
+    their kind (module docstring)."""
     with _lock:
         rechecked = _rechecked.pop(CompileContext.current_compile_id(), {})
-    return [not (e.guard_type == "TENSOR_MATCH" and rechecked.get(e.orig_guard.name, False))
-            for e in entries]
+    kept = first_of_each_kind(rechecked)
+    return [not (e.guard_type == "TENSOR_MATCH" and rechecked.get(e.orig_guard.name, False)
+                 and e.orig_guard.name not in kept) for e in entries]

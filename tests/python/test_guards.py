@@ -250,13 +250,18 @@ def test_a_change_the_plan_cannot_follow_raises_a_plan_error_naming_the_paramete
     assert greedy(model, config) == greedy(model)
 
 
-@pytest.mark.parametrize("fields", [{"intermediate_size": 96}, {"vocab_size": 96}, {"num_key_value_heads": 4}])
-def test_another_model_of_the_same_class_and_another_config_compiles_the_step_again(fields):
-    """A config decides the shapes of all blocks alike, so the first block's
-    tensor guards and those outside the blocks, kept, make Dynamo compile the
-    step again for a second model of the same class with another config, as
-    without the filter. With them dropped too, its generate() raised PlanError."""
-    model, other = small_model("llama"), small_model("llama", seed=1, config=fields)
+@pytest.mark.parametrize("arch, fields, other_fields", [
+    ("llama", {}, {"intermediate_size": 96}),
+    ("llama", {}, {"vocab_size": 96}),
+    # experts after a dense first layer: the experts' first of their kind is in layer 1
+    ("qwen2_moe", {"mlp_only_layers": [0]}, {"mlp_only_layers": [0], "moe_intermediate_size": 48}),
+])
+def test_another_model_of_the_same_class_and_another_config_compiles_the_step_again(arch, fields, other_fields):
+    """A config decides the shapes of each kind of tensor alike, so the first of
+    each kind's guards, kept, make Dynamo compile the step again for a second
+    model of the same class with another config, as without the filter. With
+    them dropped too, its generate() raised PlanError."""
+    model, other = small_model(arch, config=fields), small_model(arch, seed=1, config=other_fields)
     config = kwker.compile_config()
     assert greedy(model, config) == greedy(model)
     assert greedy(other, config) == greedy(other)
