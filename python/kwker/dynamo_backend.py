@@ -1,7 +1,6 @@
 """The ``kwker`` backend for torch.compile, found by torch through the
 ``torch_dynamo_backends`` entry point."""
 
-import contextlib
 import functools
 import logging
 import time
@@ -123,12 +122,8 @@ def tune_inference(gm: torch.fx.GraphModule, example_inputs, opts: KwkerOptions)
         functools.partial(_not_lowerable, unfit)
     if not worth_freezing(aten_gm) or written:  # a written tensor is no constant
         del builders["frozen"]
-    # Dynamo compiles with inference mode off: the inference tensors of a call under
-    # torch.inference_mode, which a graph writes (and the tuning puts back), may only be written inside it.
-    inference = any(isinstance(x, torch.Tensor) and x.is_inference() for x in example_inputs)
-    with torch.inference_mode() if inference else contextlib.nullcontext():
-        choice = choose(builders, example_inputs, reference="inductor", truth="eager", written=written,
-                        tolerance=output_tolerance(gm, example_inputs, TOLERANCE), gates={"frozen": cannot_win})
+    choice = choose(builders, example_inputs, reference="inductor", truth="eager", written=written,
+                    tolerance=output_tolerance(gm, example_inputs, TOLERANCE), gates={"frozen": cannot_win})
     choices.remember(key, choices.Record(choice.name, choice.fallback, choice.ms))
     if choice.name == "frozen" and choice.fallback is not None:  # else Dynamo's graph, FrozenGraph's own
         choice.fn.fallback = choice.built[choice.fallback]

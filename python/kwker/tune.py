@@ -228,9 +228,13 @@ def choose(builders: dict[str, Callable[[], Callable]], inputs: list, reference:
     # value must not keep (the next run's backward would go through the freed graph); tune_training
     # keeps views, which cannot shed it in place, and inputs requiring grad out of timing.
     saved = [(x, x.detach().clone(), x.requires_grad) for x in written]
+    # Dynamo compiles with inference mode off, and an inference tensor (the call's own, under
+    # torch.inference_mode) may only be written inside it: so are the runs and put-backs that write one
+    # (the candidates are built outside it: a plan's weight copies, made there, are written later).
+    writing = torch.inference_mode if any(x.is_inference() for x in written) else contextlib.nullcontext
 
     def put_back():
-        with torch.no_grad():
+        with torch.no_grad(), writing():
             for x, before, had_history in saved:
                 x.copy_(before)
                 if x.requires_grad and not had_history:
@@ -238,7 +242,8 @@ def choose(builders: dict[str, Callable[[], Callable]], inputs: list, reference:
 
     def run_and_restore(fn):
         try:  # put back after a run that fails too: it may have written them before it raised
-            out = run(fn, inputs)
+            with writing():
+                out = run(fn, inputs)
             return [t.clone() if isinstance(t, torch.Tensor) else t for t in _flat_tensors(out)] if saved else out
         finally:
             put_back()

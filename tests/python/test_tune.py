@@ -328,6 +328,46 @@ def test_a_graph_writing_an_input_under_inference_mode_is_tuned_and_writes_it_as
     assert graph.kind == "tuned" and "eager" in graph.candidates, kwker.report()
 
 
+class _WritesItsInput(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(64, 64)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(p.bfloat16().float())  # bf16-valued: kwker's plan reads bf16 copies of them
+
+    def forward(self, x, seen):
+        seen.add_(1.0)
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("inference", [True, False])
+def test_a_plans_weight_copies_are_packed_again_after_a_tuning_over_inference_tensors(monkeypatch, inference):
+    """The tuning writes the call's inference tensors inside inference mode, but
+    builds the candidates outside it: a plan's weight copies made inside it were
+    inference tensors, which packing them again after a weight's edit, outside
+    it, could not write."""
+    from kwker import dynamo_backend, tune
+
+    monkeypatch.setattr(dynamo_backend, "choose", lambda builders, inputs, reference, **how: tune.choose(
+        {"plan": builders["plan"]}, inputs, reference="plan", **how))
+    model = _WritesItsInput().eval()
+    compiled = torch.compile(model, backend="kwker")
+    with torch.inference_mode():
+        x, seen = torch.randn(2, 64), torch.zeros(3)
+    with torch.inference_mode() if inference else torch.no_grad():
+        if not inference:
+            model.forward = lambda x, seen: model.lin(x)  # eager cannot write an inference tensor outside it
+            compiled = torch.compile(model, backend="kwker")
+        torch.testing.assert_close(compiled(x, seen), model.lin(x))
+        with torch.no_grad():
+            model.lin.weight.mul_(2.0)
+        torch.testing.assert_close(compiled(x, seen), model.lin(x))
+    assert [g.choice for g in summary.graphs()] == ["plan"] and summary.graphs()[0].copies > 0, kwker.report()
+    assert seen.tolist() == ([2.0] * 3 if inference else [0.0] * 3)
+
+
 class _Power(torch.nn.Module):
     def __init__(self):
         super().__init__()
