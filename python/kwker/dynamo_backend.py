@@ -124,7 +124,7 @@ def tune_inference(gm: torch.fx.GraphModule, example_inputs, opts: KwkerOptions)
         del builders["frozen"]
     choice = choose(builders, example_inputs, reference="inductor", truth="eager", written=written,
                     tolerance=output_tolerance(gm, example_inputs, TOLERANCE), gates={"frozen": cannot_win})
-    choices.remember(key, choices.Record(choice.name, choice.fallback, choice.ms))
+    remember_unless_an_error(key, choice, choice.fallback)
     if choice.name == "frozen" and choice.fallback is not None:  # else Dynamo's graph, FrozenGraph's own
         choice.fn.fallback = choice.built[choice.fallback]
     detail = {"candidates": choice.ms, "choice": choice.name, "left_out": choice.left_out}
@@ -132,6 +132,20 @@ def tune_inference(gm: torch.fx.GraphModule, example_inputs, opts: KwkerOptions)
         detail.update(plan_detail, plan=choice.fn)
     served = choice.fn if choice.outputs is None else FirstCallServed(choice.fn, example_inputs, choice.outputs)
     return "tuned", served, detail
+
+
+def remember_unless_an_error(key: str, choice, fallback: str | None):
+    """choice, remembered under key (kwker.choices), unless a candidate was left
+    out by an error other than NotLowerable (a plan kwker does not build for
+    this graph): such an error may be the moment's (memory; a user's signal
+    handler raising a timeout inside a candidate's compile, which the tuning
+    cannot tell from the candidate's own failure), and a record would keep the
+    candidate out in every later process. That graph is tuned again there."""
+    erred = [name for name, e in choice.errors.items() if not isinstance(e, NotLowerable)]
+    if erred:
+        log.info("kwker: the choice is not remembered: %s left out by an error", ", ".join(erred))
+        return
+    choices.remember(key, choices.Record(choice.name, fallback, choice.ms))
 
 
 def _not_lowerable(why: str):
@@ -199,7 +213,7 @@ def tune_training(gm: torch.fx.GraphModule, example_inputs, opts: KwkerOptions):
     choice = choose({**builders, "inductor": inductor_timed}, example_inputs, reference="inductor", truth="eager",
                     run=forward_and_backward, written=written,
                     tolerance=output_tolerance(gm, example_inputs, TRAINING_TOLERANCE))
-    choices.remember(key, choices.Record(choice.name, None, choice.ms))
+    remember_unless_an_error(key, choice, None)
     # Inductor kept is compiled again as stock Inductor compiles it, its backward lazily: the
     # timed one's, compiled before any backward said whether it keeps the graph, takes
     # the saved tensors' buffers for its own and refuses backward(retain_graph=True) and

@@ -143,6 +143,7 @@ class Choice:
     # What the kept candidate returned for the inputs timed (None where the graph
     # writes its inputs: a call must write them again): see FirstCallServed.
     outputs: object = None
+    errors: dict[str, Exception] = field(default_factory=dict)  # candidate -> what it raised, left out so
 
 
 class FirstCallServed:
@@ -248,7 +249,7 @@ def choose(builders: dict[str, Callable[[], Callable]], inputs: list, reference:
         finally:
             put_back()
 
-    built, outputs, left_out, times, first = {}, {}, {}, {}, {}
+    built, outputs, left_out, times, first, errors = {}, {}, {}, {}, {}, {}
     reference_failure = None
 
     @functools.cache
@@ -276,6 +277,7 @@ def choose(builders: dict[str, Callable[[], Callable]], inputs: list, reference:
                     return measure()
             except _LaterRunFailed as failed:
                 left_out[failed.name] = f"{type(failed.error).__name__}: {failed.error} (a later run)"
+                errors[failed.name] = failed.error
                 log.warning("candidate %s left out: %s", failed.name, left_out[failed.name])
                 for found in (built, outputs, times, first):
                     found.pop(failed.name, None)
@@ -307,7 +309,7 @@ def choose(builders: dict[str, Callable[[], Callable]], inputs: list, reference:
                 raise
             if name == reference:
                 reference_failure = e
-            left_out[name] = f"{type(e).__name__}: {e}"
+            left_out[name], errors[name] = f"{type(e).__name__}: {e}", e
         log.info("candidate %s built in %.2f s, run once in %.3f s", name, ran - start, time.perf_counter() - ran)
     if reference_failure is not None and truth not in built:
         raise reference_failure
@@ -331,7 +333,7 @@ def choose(builders: dict[str, Callable[[], Callable]], inputs: list, reference:
     log.info("candidates (%s) %s: %s kept", how, ", ".join(f"{n} {t:.3f} ms" for n, t in ms.items()), best)
     rest = {n: t for n, t in ms.items() if n != best}
     fallback = _fastest(rest, reference) if best != reference and rest else None
-    return Choice(best, built[best], ms, left_out, fallback, built, None if saved else outputs[best])
+    return Choice(best, built[best], ms, left_out, fallback, built, None if saved else outputs[best], errors)
 
 
 class _LaterRunFailed(Exception):

@@ -159,6 +159,27 @@ def test_nothing_is_remembered_with_inductors_caches_off():
     assert not graph.recalled and records() == []
 
 
+def test_a_choice_made_with_a_candidate_left_out_by_an_error_is_not_remembered(monkeypatch):
+    """An error may be the moment's: a user's signal handler raising a timeout
+    inside Inductor's compile was taken for Inductor's failure, and the record
+    kept Inductor out of every later process."""
+    model, x = mlp(), torch.randn(8, 64)
+
+    def interrupted(*args, **kwargs):
+        raise TimeoutError("a user's deadline")
+
+    with torch.no_grad():
+        with monkeypatch.context() as patch:
+            patch.setattr(kwker.dynamo_backend, "compile_with_inductor", interrupted)
+            out, graph = compile_and_run(model, x)
+        assert "inductor" in graph.left_out and records() == []
+        torch.testing.assert_close(out, model(x), rtol=1e-4, atol=1e-5)
+        _, graph = compile_and_run(model, x)
+        assert not graph.recalled and "inductor" in graph.candidates and len(records()) == 1
+        _, graph = compile_and_run(model, x)
+    assert graph.recalled
+
+
 @pytest.mark.parametrize("content", ["{not json", '{"choice": "plan", "unknown": 1}', '{"choice": "nonexistent"}',
                                      '{"choice": "eager", "candidates": "fast"}', "[1]",
                                      "[" * 20000 + "]" * 20000, '{"choice": "eager"}' + " " * (1 << 17)])
