@@ -18,8 +18,8 @@ from kwker.rewrite import rewrite_language_model
 from kwker.rewrite.match import why_run_only_as_called
 from kwker.routing import route_graph, size_inputs, unfit_for_kernels
 from kwker.threads import warn_once_if_openmp_spins
-from kwker.tune import (DYNAMO_RESTARTS, TOLERANCE, TRAINING_TOLERANCE, FirstCallServed, choose, forward_and_backward,
-                        output_tolerance)
+from kwker.tune import (TOLERANCE, TRAINING_TOLERANCE, FirstCallServed, choose, forward_and_backward,
+                        not_the_candidates, output_tolerance)
 
 log = logging.getLogger(__name__)
 
@@ -164,9 +164,9 @@ def build_remembered(kind: str, key: str, builders: dict, plan_detail: dict):
         fn = builders[record.choice]()
         if record.choice == "frozen" and record.fallback is not None:
             fn.fallback = builders[record.fallback]()
-    except DYNAMO_RESTARTS:
-        raise
     except Exception as e:  # noqa: BLE001 - tuned again, as without the record
+        if not_the_candidates(e):
+            raise
         log.warning("kwker: the remembered choice %r did not build (%s: %s); the graph is tuned again", record.choice,
                     type(e).__name__, e)
         return None

@@ -20,6 +20,7 @@ import functools
 import gc
 import logging
 import math
+import signal
 import statistics
 import time
 from collections.abc import Callable
@@ -34,6 +35,20 @@ log = logging.getLogger(__name__)
 # changed) marks the float to be specialised and raises TensorifyScalarRestartAnalysis for Dynamo to trace
 # the frame again. Taken for a failure, it left Inductor out of that graph (the warning said nothing more).
 DYNAMO_RESTARTS = (torch._dynamo.exc.RestartAnalysis,)
+
+
+def not_the_candidates(e: Exception) -> bool:
+    """e is not a candidate's failure but passes through it: Dynamo's restart,
+    or what a Python signal handler of the user's raised while the candidate
+    compiled or ran (a timeout's alarm): that handler's frame is in e's traceback."""
+    if isinstance(e, DYNAMO_RESTARTS):
+        return True
+    handlers = (signal.getsignal(s) for s in signal.valid_signals())
+    codes = {getattr(getattr(h, "__func__", h), "__code__", None) for h in handlers}
+    tb = e.__traceback__
+    while tb is not None and tb.tb_frame.f_code not in codes:
+        tb = tb.tb_next
+    return tb is not None
 
 # Another candidate replaces the reference when its median is below this share of the reference's.
 MARGIN = 0.97
@@ -276,6 +291,8 @@ def choose(builders: dict[str, Callable[[], Callable]], inputs: list, reference:
                 with _collector_paused():
                     return measure()
             except _LaterRunFailed as failed:
+                if not_the_candidates(failed.error):
+                    raise failed.error from None
                 left_out[failed.name] = f"{type(failed.error).__name__}: {failed.error} (a later run)"
                 errors[failed.name] = failed.error
                 log.warning("candidate %s left out: %s", failed.name, left_out[failed.name])
@@ -302,10 +319,8 @@ def choose(builders: dict[str, Callable[[], Callable]], inputs: list, reference:
                 outputs[name] = run_and_restore(fn)
                 first[name] = time.perf_counter() - ran
             built[name] = fn
-        except DYNAMO_RESTARTS:
-            raise
         except Exception as e:
-            if name == reference and truth is None:
+            if (name == reference and truth is None) or not_the_candidates(e):
                 raise
             if name == reference:
                 reference_failure = e

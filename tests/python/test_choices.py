@@ -5,9 +5,11 @@ record no longer holds."""
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -157,6 +159,30 @@ def test_nothing_is_remembered_with_inductors_caches_off():
         _, graph = compile_and_run(model, x)
         assert choices.directory() is None
     assert not graph.recalled and records() == []
+
+
+def test_what_a_users_signal_handler_raises_inside_a_candidates_compile_reaches_the_user(monkeypatch):
+    """A timeout's alarm going off while Inductor compiled was taken for
+    Inductor's failure: the user's exception vanished, and Inductor was left out."""
+    def deadline(signum, frame):
+        raise TimeoutError("a user's deadline")
+
+    def alarmed(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(5)  # the handler runs here, in this thread
+
+    old = signal.signal(signal.SIGUSR1, deadline)
+    try:
+        monkeypatch.setattr(kwker.dynamo_backend, "compile_with_inductor", alarmed)
+        with torch.no_grad(), pytest.raises(Exception) as raised:
+            compile_and_run(mlp(), torch.randn(8, 64))
+    finally:
+        signal.signal(signal.SIGUSR1, old)
+    error = raised.value
+    while error is not None and not isinstance(error, TimeoutError):
+        error = error.__cause__ or error.__context__
+    assert isinstance(error, TimeoutError), raised.value
+    assert records() == []
 
 
 def test_a_choice_made_with_a_candidate_left_out_by_an_error_is_not_remembered(monkeypatch):
