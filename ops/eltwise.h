@@ -35,8 +35,9 @@ static inline float kw__binary_f(int op, float a, float b) {
     case KW_BINARY_SUB: return a - b;
     case KW_BINARY_MUL: return a * b;
     case KW_BINARY_DIV: return a / b;
-    case KW_BINARY_MAX: return a != a || b != b ? a + b : (a > b ? a : b); /* NaN propagates */
-    default: return a != a || b != b ? a + b : (a < b ? a : b);
+    /* a NaN propagates; equal values (-0.0 and +0.0) give a, as clamp and relu keep x */
+    case KW_BINARY_MAX: return a != a || b != b ? a + b : (b > a ? b : a);
+    default: return a != a || b != b ? a + b : (b < a ? b : a);
     }
 }
 

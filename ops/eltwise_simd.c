@@ -35,8 +35,9 @@ static inline kw_v binary_v(int op, kw_v a, kw_v b) {
     case KW_BINARY_SUB: return kw_v_sub(a, b);
     case KW_BINARY_MUL: return kw_v_mul(a, b);
     case KW_BINARY_DIV: return kw_v_div(a, b);
-    case KW_BINARY_MAX: return kw_v_nan_or(a, b, kw_v_max(a, b));
-    default: return kw_v_nan_or(a, b, kw_v_min(a, b));
+    /* b first: equal values (-0.0 and +0.0) give a, as clamp and relu keep x */
+    case KW_BINARY_MAX: return kw_v_nan_or(a, b, kw_v_max(b, a));
+    default: return kw_v_nan_or(a, b, kw_v_min(b, a));
     }
 }
 

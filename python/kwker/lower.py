@@ -931,8 +931,8 @@ def _lower_neg(lw: _Lowering, node: Node):
 
 
 def _lower_relu(lw: _Lowering, node: Node):
-    """relu(x) = maximum(x, 0): binary's maximum keeps a NaN, as relu does (T5's
-    MLP, ResNet's blocks); a -0.0 comes out +0.0, an equal value."""
+    """relu(x) = maximum(x, 0): binary's maximum keeps a NaN, and x where the
+    two are equal (a -0.0), as relu does (T5's MLP, ResNet's blocks)."""
     x = val(node.args[0])
     if x.dtype not in (torch.float32, torch.bfloat16, torch.int64):
         return False

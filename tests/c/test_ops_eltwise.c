@@ -153,6 +153,29 @@ Test(binary, reference_by_hand) {
     tt_free(&k);
 }
 
+/* clamp and relu keep x where it equals the bound: max(-0.0, 0) is -0.0 in
+ * PyTorch, and 1 / relu(x) tells the two zeros apart. */
+Test(binary, max_and_min_with_an_equal_scalar_keep_x_and_its_signed_zero) {
+    tt_rng r = {24};
+    for (int isa = 0; isa <= (int)kw_cpu_isa(); isa++)
+        for (int op = KW_BINARY_MAX; op <= KW_BINARY_MIN; op++)
+            for (int bound = 0; bound < 2; bound++) {
+                tt_case k = {0};
+                tt_tensor(&k, 1, KW_F32, 1, TT_DIMS(37), NULL, 0, 0, &r);
+                kw_tensor *y = tt_tensor(&k, 0, KW_F32, 1, TT_DIMS(37), NULL, 0, 0, &r);
+                for (int64_t i = 0; i < 37; i++) tt_set(&k.c.t[1], &i, i % 2 ? 0.0 : -0.0);
+                k.c.ip[0] = op;
+                k.c.fp[0] = bound ? -0.0 : 0.0;
+                tt_run(KW_OP_BINARY, (kw_isa)isa, &k.c, 1);
+                for (int64_t i = 0; i < 37; i++) {
+                    const double g = tt_get(y, &i);
+                    cr_expect(g == 0 && !signbit(g) == (i % 2 == 1), "%s op %d bound %s: y[%lld] = %g",
+                              kw_isa_name((kw_isa)isa), op, bound ? "-0.0" : "0.0", (long long)i, g);
+                }
+                tt_free(&k);
+            }
+}
+
 Test(silu_mul, every_variant_matches_the_reference) {
     tt_rng r = {24};
     for (int trial = 0; trial < 120; trial++) {

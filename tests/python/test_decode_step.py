@@ -1007,7 +1007,7 @@ class _Clamps(torch.nn.Module):
     def forward(self, x):
         y = x * 1
         y.clamp_(min=-8.1, max=8.1)
-        return y, x.clamp(max=3.3), x.clamp(-0.7), x.clamp(5.0, -5.0)
+        return y, x.clamp(max=3.3), x.clamp(-0.7), x.clamp(5.0, -5.0), x.relu(), x.clamp(0.0), x.clamp(-1.0, -0.0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -1029,11 +1029,13 @@ def test_clamps_between_numbers_are_native_steps_equal_to_eagers_nans_kept(dtype
 
     x = torch.randn(4, 64, dtype=dtype) * 6
     x[0, :3] = torch.tensor([float("nan"), 8.125, -8.0625])
+    x[1:3, :40] = torch.tensor([-0.0, 0.0]).repeat(20)  # equal to a bound, x is kept: -0.0 stays -0.0
     plan, report = lower_to_plan(trace_to_aten(_Clamps(), [x]), [x], [])
     assert report.fallback_ops == [], report.fallback_ops
     for got, want in zip(plan(x), _Clamps()(x)):
         assert got.dtype == want.dtype and torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0))
         assert torch.equal(got.isnan(), want.isnan())
+        assert torch.equal(got.nan_to_num(7.0).signbit(), want.nan_to_num(7.0).signbit())  # a NaN's sign is no value's
 
 
 class _Sums(torch.nn.Module):
