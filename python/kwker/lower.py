@@ -189,14 +189,28 @@ class _Lowering:
         buf = self.b.arena(t.numel() * dtype.itemsize, f"{node.name}.{'contiguous' if dtype == t.dtype else dtype}")
         return self.b.view(buf, dtype, tuple(t.shape), None, 0)
 
-    def fresh_copy(self, node: Node, t: torch.Tensor) -> int:
+    def fresh_copy(self, node: Node, t: torch.Tensor, fresh: dict) -> int:
         """A returned value the plan holds as a constant (folded at compile time:
         an arange, a literal), copied into a fresh output by every call, as
-        eager makes a new tensor each time: a caller may write the one it gets."""
-        buf = self.b.output_buffer(f"{node.name}.fresh", t.dtype, tuple(t.shape))
-        copy = self.b.view(buf, t.dtype, tuple(t.shape), None, 0)
-        self.op(node, "convert", [copy, self.view(t)])
-        return copy
+        eager makes a new tensor each time: a caller may write the one it gets.
+        The values returned from one folded tensor (`c` and `c[1:]`) are views of
+        one copy of it, so that a write to one shows in the other, as in eager;
+        `fresh` holds those copies by storage. A weight copy (in its own layout)
+        is copied for the one value."""
+        key = storage_key(t)
+        whole = self.constant_tensors.get(key)
+        if whole is None or whole.dtype != t.dtype:
+            buf = self.b.output_buffer(f"{node.name}.fresh", t.dtype, tuple(t.shape))
+            copy = self.b.view(buf, t.dtype, tuple(t.shape), None, 0)
+            self.op(node, "convert", [copy, self.view(t)])
+            return copy
+        source, base = self.buffers[key]
+        layout = (whole.dtype, tuple(whole.shape), tuple(whole.stride()))
+        if key not in fresh:
+            fresh[key] = self.b.output_buffer(f"{node.name}.fresh", *layout)
+            self.op(node, "convert", [self.b.view(fresh[key], *layout, 0), self.b.view(source, *layout, 0)])
+        return self.b.view(fresh[key], t.dtype, tuple(t.shape), tuple(t.stride()),
+                           (t.storage_offset() - base) * t.element_size())
 
     # ---- steps --------------------------------------------------------------------
 
@@ -287,16 +301,16 @@ class _Lowering:
                 self.lower_node(node)
             except TypeError as e:  # a dtype plans do not hold (a float64 constant folded from a Python float)
                 raise NotLowerable(f"{node.name}: {e}") from e
-        fresh = {}
+        fresh, copies = {}, {}
         for out in self.outputs:
             if not isinstance(out, Node):
                 raise NotLowerable("the graph returns a non-tensor")
             if storage_key(val(out)) not in self.constant_storages:
                 self.b.output(self.view(val(out)))
                 continue
-            if out not in fresh:
-                fresh[out] = self.fresh_copy(out, val(out))
-            self.b.output(fresh[out])
+            if out not in copies:
+                copies[out] = self.fresh_copy(out, val(out), fresh)
+            self.b.output(copies[out])
         return self.b.finish(torch.get_num_threads(), n_args=len(self.example_inputs), written=self.written_args)
 
     def constant(self, node: Node) -> torch.Tensor | None:

@@ -381,6 +381,31 @@ def test_a_tensor_written_in_place_is_made_again_by_every_replay_computed_or_con
         assert [int(k[1].argmax()) for k in kept] == [2, 5, 2]
 
 
+class _ReturnsAConstantAndItsViews(torch.nn.Module):
+    def forward(self, x):
+        c = torch.arange(6.0).view(2, 3)
+        return c, c[1:], c.t(), x + 1
+
+
+def test_a_returned_constant_and_its_views_share_one_fresh_copy_as_in_eager():
+    """Eager returns c and its views over one new tensor: a write through one
+    shows in the others, and no two calls share memory. The plan copied each
+    returned view of a folded constant on its own."""
+    from kwker.aten_graph import trace_to_aten
+    from kwker.lower import lower_to_plan
+
+    module, x = _ReturnsAConstantAndItsViews(), torch.randn(3)
+    plan, _ = lower_to_plan(trace_to_aten(module, [x]), [x], [])
+    first = plan(x)
+    for got in (first, plan(x)):
+        want = module(x)
+        assert all(torch.equal(g, w) and g.stride() == w.stride() for g, w in zip(got, want))
+        got[1].add_(10.0)
+        want[1].add_(10.0)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[2], want[2])
+    assert first[0][1, 0] == 13.0  # the second call's write reached its own copy only
+
+
 class _TransposedNorm(torch.nn.Module):
     """Whisper's encoder's start: a convolution's output transposed, plus
     positions (eager keeps the transposed layout), then a layer norm."""
