@@ -12,6 +12,7 @@ weights packed into the same copies.
 """
 
 import logging
+import struct
 from collections.abc import Callable
 
 import torch
@@ -136,6 +137,12 @@ def specialize_scalars(gm: torch.fx.GraphModule, example_inputs) -> list[tuple[i
     return specialized
 
 
+def _same_bits(a: float, b: float) -> bool:
+    """A specialised float is checked by its bits, as the plan's C check does:
+    a NaN is its own value, and -0.0 is not +0.0."""
+    return struct.pack("<d", a) == struct.pack("<d", b)
+
+
 class _Refresh:
     """What a plan calls when a source of its copies or a value it was
     specialised on changed: the copies packed again (None), or the graph
@@ -151,7 +158,7 @@ class _Refresh:
     def __call__(self, args):
         for i, watch in self.copied.watched():
             self._check_source(i, watch, args[i])
-        same_values = all(float(args[i]) == value for i, value in self.scalars)
+        same_values = all(_same_bits(float(args[i]), value) for i, value in self.scalars)
         if same_values and self.copied.refresh(args):
             self.sources[:] = self.copied.watched() + self.scalars
             log.debug("plan: weight copies packed again")

@@ -191,6 +191,26 @@ def test_a_float_of_the_config_that_differs_between_models_is_replayed_for_each(
     assert not any(g.fallback_ops for g in summary.graphs()), kwker.report()
 
 
+def _scaled(x, s, t):
+    return x * s + t
+
+
+def test_a_float_input_that_becomes_nan_or_negative_zero_gives_eagers_values():
+    """A float Dynamo made an input reaches the plan as a 0-dim float64 tensor,
+    on whose value the plan is specialised and which it checks on every call.
+    A NaN is its own value there (NaN != NaN once made every call a refresh that
+    never caught up: PlanError), and -0.0 is another value than +0.0."""
+    from kwker.plan import compile_plan
+
+    f64 = lambda v: torch.tensor(v, dtype=torch.float64)
+    x = torch.randn(2, 3)
+    plan, _ = compile_plan(torch.fx.symbolic_trace(_scaled), [x, f64(1.5), f64(0.5)])
+    for s, t in ((float("nan"), 0.5), (float("nan"), 0.5), (-0.0, -0.0), (0.0, -0.0), (2.0, float("nan")), (1.5, 0.5)):
+        got, want = plan(x, f64(s), f64(t))[0], _scaled(x, f64(s), f64(t))
+        assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())
+        assert torch.equal(got.signbit(), want.signbit()), (s, t)
+
+
 # ---- 6. dtypes kwker's kernels do not take ---------------------------------------------------
 
 

@@ -242,11 +242,13 @@ static int read_sources(kw__state *s) {
 }
 
 /* An argument the plan was specialised on (a float Dynamo made an input) that
- * now holds another value: 1; 0; -1 with an exception. */
+ * now holds another value: 1; 0; -1 with an exception. Values are compared as
+ * bits, as _Refresh does: a NaN is its own value (`!=` would call it changed on
+ * every call), and -0.0 is not +0.0 (x * s keeps the sign). */
 static int value_changed(PyObject *arg, double value) {
     const double now = PyFloat_AsDouble(arg);
     if (now == -1.0 && PyErr_Occurred()) return -1;
-    return now != value;
+    return memcmp(&now, &value, sizeof now) != 0;
 }
 
 /* 1 when a source moved, changed layout or was written, or a value differs; 0;
