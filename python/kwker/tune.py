@@ -205,7 +205,12 @@ def forward_and_backward(fn: Callable, inputs: list) -> list:
     the outputs that require grad with respect to each input that requires grad,
     through torch.autograd.grad (no .grad field is written). The inputs are
     those that require grad before the run: one it writes a value requiring
-    grad into requires it after."""
+    grad into requires it after. Each is detached first, a leaf of this run's
+    own: where one input comes from another through the autograd history of an
+    earlier graph (a tied weight and the hidden state computed from it, across
+    a graph break), the backward would run through that graph and free what it
+    saved for the user's own backward."""
+    inputs = [x.detach().requires_grad_() if isinstance(x, torch.Tensor) and x.requires_grad else x for x in inputs]
     leaves = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
     outputs = _flat_tensors(fn(*inputs))
     roots = [t for t in outputs if isinstance(t, torch.Tensor) and t.requires_grad]

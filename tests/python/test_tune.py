@@ -610,6 +610,34 @@ def test_a_training_graph_is_tuned_over_forward_and_backward_and_trains_as_eager
     assert graph.choice in graph.candidates
 
 
+class _TiedAcrossABreak(torch.nn.Module):
+    """The graph after the break takes the hidden state and the tied weight it
+    came from: the one reaches the other through the first graph's history."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.mix = torch.nn.Embedding(20, 16), torch.nn.Linear(16, 16)
+
+    def forward(self, ids):
+        h = torch.tanh(self.mix(self.embed(ids)))
+        torch._dynamo.graph_break()
+        return h @ self.embed.weight.t() + h.sum(-1, keepdim=True)
+
+
+def test_a_training_graph_whose_inputs_share_an_earlier_graphs_history_trains_as_eager():
+    """The tuning's backward went through the first graph's autograd history to
+    the tied weight, which freed what that graph saved: the user's own backward
+    raised ("Trying to backward through the graph a second time")."""
+    torch.manual_seed(0)
+    model = _TiedAcrossABreak()
+    ids = torch.randint(0, 20, (3, 5))
+    got, want, _, ref = train_side_by_side(model, ids, torch.randint(0, 100, (3,)), steps=3)
+    assert got == pytest.approx(want, rel=1e-5)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    assert [g.kind for g in summary.graphs()] == ["training", "training"], kwker.report()
+
+
 @pytest.mark.parametrize("kept", ["inductor", "eager"])
 def test_a_training_graph_backpropagates_twice_and_with_create_graph_as_eager_whichever_is_kept(kept, monkeypatch):
     """Stock Inductor's backward, compiled lazily, runs backward(retain_graph=True)
