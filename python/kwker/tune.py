@@ -202,8 +202,12 @@ def call(fn: Callable, inputs: list):
 
 def forward_and_backward(fn: Callable, inputs: list) -> list:
     """A training graph's run: its outputs, then the gradients of the sum of
-    the outputs that require grad with respect to each input that requires grad,
-    through torch.autograd.grad (no .grad field is written). The inputs are
+    the outputs that require grad, each element weighted by a random sign (the
+    same in every run), with respect to each input that requires grad, through
+    torch.autograd.grad (no .grad field is written). Signs, not the plain sum,
+    whose gradient through an output of constant sum (a batch norm's in training
+    mode, a softmax) is zero: every gradient before it was rounding noise, and
+    no candidate's backward of it was checked. The inputs are
     those that require grad before the run: one it writes a value requiring
     grad into requires it after. Each is detached first, a leaf of this run's
     own: where one input comes from another through the autograd history of an
@@ -214,8 +218,9 @@ def forward_and_backward(fn: Callable, inputs: list) -> list:
     leaves = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
     outputs = _flat_tensors(fn(*inputs))
     roots = [t for t in outputs if isinstance(t, torch.Tensor) and t.requires_grad]
-    grads = torch.autograd.grad(roots, leaves, [torch.ones_like(t) for t in roots], allow_unused=True) \
-        if roots and leaves else ()
+    signs = torch.Generator().manual_seed(0)
+    weights = [torch.randint(0, 2, t.shape, generator=signs).to(t.dtype) * 2 - 1 for t in roots]
+    grads = torch.autograd.grad(roots, leaves, weights, allow_unused=True) if roots and leaves else ()
     return [t.detach() if isinstance(t, torch.Tensor) else t for t in outputs] + list(grads)
 
 

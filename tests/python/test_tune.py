@@ -12,7 +12,7 @@ import torch
 import kwker
 import kwker.tune
 from kwker import summary
-from kwker.tune import MARGIN, FirstCallServed, choose
+from kwker.tune import MARGIN, TRAINING_TOLERANCE, FirstCallServed, choose, forward_and_backward
 from kwker.weights import HUGE_PAGES_BELOW_ROWS
 
 pytestmark = pytest.mark.usefixtures("fresh_compile_state")
@@ -608,6 +608,31 @@ def test_a_training_graph_is_tuned_over_forward_and_backward_and_trains_as_eager
     (graph,) = summary.graphs()
     assert graph.kind == "training" and set(graph.candidates) == {"inductor", "eager"}, kwker.report()
     assert graph.choice in graph.candidates
+
+
+class _SoftmaxWithoutGradient(torch.autograd.Function):
+    """softmax whose backward drops the gradient, as a wrong candidate might."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.softmax(-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return torch.zeros_like(grad)
+
+
+def test_a_training_candidate_whose_backward_drops_a_softmaxs_gradient_is_left_out():
+    """The gradient of a softmax's plain sum is zero: a candidate whose backward
+    loses everything before the softmax agreed with eager's rounding noise. Each
+    element of the outputs is weighted by a random sign instead."""
+    torch.manual_seed(0)
+    proj = torch.nn.Linear(8, 5)
+    right, wrong = (lambda x: proj(x).softmax(-1)), (lambda x: _SoftmaxWithoutGradient.apply(proj(x)))
+    x = torch.randn(4, 8, requires_grad=True)
+    choice = choose({"eager": lambda: right, "wrong": lambda: wrong}, [x], "eager", run=forward_and_backward,
+                    tolerance=TRAINING_TOLERANCE)
+    assert "differs" in choice.left_out["wrong"], choice
 
 
 class _TiedAcrossABreak(torch.nn.Module):
