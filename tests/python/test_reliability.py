@@ -211,6 +211,27 @@ def test_a_float_input_that_becomes_nan_or_negative_zero_gives_eagers_values():
         assert torch.equal(got.signbit(), want.signbit()), (s, t)
 
 
+def _linear(x, w, b):
+    return torch.nn.functional.linear(x, w, b)
+
+
+def test_a_linear_over_a_weight_of_another_dtype_raises_as_eager_does():
+    """A weight made bf16 under a float32 activation (`weight.data = w.bfloat16()`
+    on a block whose guards Dynamo kept, so that it compiled the step again) was
+    taken by kwker's linear, which reads bf16 weights: tokens where eager raises."""
+    from kwker.plan import compile_plan
+
+    x, b = torch.randn(3, 64), torch.nn.Parameter(torch.randn(32), requires_grad=False)
+    w = torch.nn.Parameter(torch.randn(32, 64).bfloat16(), requires_grad=False)
+    with pytest.raises(RuntimeError) as eager:
+        _linear(x, w, b)
+    plan, detail = compile_plan(torch.fx.symbolic_trace(_linear), [x, w, b])
+    assert detail["rewrites"].get("linear", 0) == 0, detail
+    with pytest.raises(RuntimeError) as got:
+        plan(x, w, b)
+    assert str(eager.value) in str(got.value)
+
+
 # ---- 6. dtypes kwker's kernels do not take ---------------------------------------------------
 
 

@@ -98,6 +98,8 @@ def _match_linear(node, params):
         return None
     if bias is not None and not (bias.op == "placeholder" and bias.name in params):
         return None
+    if len({val(t).dtype for t in (x, w, bias) if t is not None}) > 1:  # PyTorch's mm raises, as it should here
+        return None
     return _Linear(node, x, w, bias, kn)
 
 
