@@ -36,6 +36,7 @@ import functools
 import hashlib
 import json
 import logging
+import math
 import os
 import stat
 import threading
@@ -106,11 +107,17 @@ def recall(key_: str) -> Record | None:
 
 
 def _checked(record: Record) -> Record:
-    """record, when each field has its type (kwker.report() prints them)."""
+    """record, when each field has its type and a sense (kwker.report() prints
+    them: a name holding a newline or a terminal's escape would print a row of
+    its own, a time NaN or inf)."""
     times = record.candidates
     if not (isinstance(record.choice, str) and isinstance(record.fallback, (str, type(None)))
             and isinstance(times, dict) and all(isinstance(t, (int, float)) for t in times.values())):
         raise ValueError(f"fields of the wrong types: {record!r:.200}")
+    names = [record.choice, *([record.fallback] if record.fallback else []), *times]
+    if not all(isinstance(n, str) and n.isidentifier() for n in names) \
+            or not all(math.isfinite(t) and t >= 0 for t in times.values()):
+        raise ValueError(f"a candidate that is no name, or a time that is no duration: {record!r:.200}")
     return record
 
 
@@ -192,11 +199,20 @@ def _cpu_model() -> str:
 @functools.cache
 def _kwker_code() -> str:
     """A hash of kwker's own code, its Python files and its built extension: a
-    choice made by other code is not reused, released or not."""
+    choice made by other code is not reused, released or not. A hidden file is
+    none of its modules (Emacs's lock `.#choices.py`, a link to nowhere, made
+    every compile fail), and a file gone by the time it is read (a checkout
+    under way) is hashed as gone."""
     from kwker import _C
 
     package = Path(__file__).parent
     digest = hashlib.sha256()
     for path in sorted(package.rglob("*.py")) + [Path(_C.__file__)]:
-        digest.update(path.as_posix().encode() + b"\0" + path.read_bytes())
+        if path.name.startswith("."):
+            continue
+        try:
+            content = path.read_bytes()
+        except OSError as e:
+            content = f"unreadable: {type(e).__name__}".encode()
+        digest.update(path.as_posix().encode() + b"\0" + content)
     return digest.hexdigest()

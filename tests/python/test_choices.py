@@ -124,6 +124,33 @@ def test_the_key_changes_with_what_the_choice_rests_on():
         torch.set_num_threads(threads)
 
 
+def test_the_code_hash_skips_an_editors_lock_and_hashes_a_file_gone_as_gone(tmp_path, monkeypatch):
+    """An editor's lock beside kwker's files (Emacs's `.#choices.py`, a link to
+    nowhere) made every compile fail with FileNotFoundError."""
+    package = tmp_path / "kwker"
+    package.mkdir()
+    (package / "choices.py").write_text("one")
+    (package / "tune.py").write_text("two")
+    monkeypatch.setattr(choices, "__file__", str(package / "choices.py"))
+
+    def code() -> str:
+        choices._kwker_code.cache_clear()
+        return choices._kwker_code()
+
+    try:
+        before = code()
+        (package / ".#choices.py").symlink_to("user@host.1234:1700000000")
+        assert code() == before
+        (package / "tune.py").write_text("three")
+        edited = code()
+        assert edited != before
+        monkeypatch.setattr(type(package), "read_bytes", lambda path: (_ for _ in ()).throw(FileNotFoundError(path)))
+        assert code() not in (before, edited)  # read as gone, not raised
+    finally:
+        monkeypatch.undo()
+        choices._kwker_code.cache_clear()
+
+
 class Checkpointed(torch.nn.Module):
     """Two of these differ only inside the checkpointed body, a graph of its
     own inside Dynamo's; with ceil_mode=True torch 2.13's Inductor gets the
@@ -208,6 +235,8 @@ def test_a_choice_made_with_a_candidate_left_out_by_an_error_is_not_remembered(m
 
 @pytest.mark.parametrize("content", ["{not json", '{"choice": "plan", "unknown": 1}', '{"choice": "nonexistent"}',
                                      '{"choice": "eager", "candidates": "fast"}', "[1]",
+                                     '{"choice": "eager", "candidates": {"eager": NaN}}',
+                                     '{"choice": "eager", "candidates": {"eager\\n    9  forged": 1.0}}',
                                      "[" * 20000 + "]" * 20000, '{"choice": "eager"}' + " " * (1 << 17)])
 def test_a_record_that_cannot_be_read_or_built_is_tuned_again_and_replaced(content, caplog):
     model, x = mlp(), torch.randn(8, 64)
