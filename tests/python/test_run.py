@@ -119,18 +119,25 @@ def test_bad_options_name_the_problem(options, message):
     assert message in out.stderr
 
 
-def test_more_threads_than_cpus_is_warned_about(tmp_path):
+def test_more_threads_than_cpus_is_warned_about_whoever_asked_for_them(tmp_path):
     (tmp_path / "nothing.py").write_text("")
-    for options, warned in ((["--cpus", str(CPUS[0]), "--threads", "2"], True), (["--threads", "1"], False)):
+    for options, threads, warning in ((["--cpus", str(CPUS[0]), "--threads", "2"], None, "--threads 2 on 1 CPUs"),
+                                      (["--threads", "1"], None, None),
+                                      (["--cpus", str(CPUS[0])], "16", "OMP_NUM_THREADS=16 on 1 CPUs")):
+        env = {**os.environ, **({"OMP_NUM_THREADS": threads} if threads else {})}
         out = subprocess.run([sys.executable, "-m", "kwker.run", *options, str(tmp_path / "nothing.py")],
-                             capture_output=True, text=True)
-        assert out.returncode == 0 and ("--threads 2 on 1 CPUs: threads share a CPU" in out.stderr) == warned, \
-            out.stderr
+                             capture_output=True, text=True, env=env)
+        assert out.returncode == 0 and ("threads share a CPU" in out.stderr) == (warning is not None), out.stderr
+        assert warning is None or warning in out.stderr, out.stderr
 
 
-def test_parse_cpus_reads_taskset_lists():
-    assert parse_cpus("0-3,6") == [0, 1, 2, 3, 6]
-    assert parse_cpus("2,2,1") == [1, 2]
+def test_parse_cpus_reads_taskset_lists_of_allowed_cpus():
+    assert parse_cpus("0-3,6", range(8)) == [0, 1, 2, 3, 6]
+    assert parse_cpus("2,2,1", range(8)) == [1, 2]
+    with pytest.raises(SystemExit, match="expected a list"):
+        parse_cpus("0-", range(8))  # not 0 alone
+    with pytest.raises(SystemExit, match="may only use CPUs"):  # refused before a range of 10^12 is counted out
+        parse_cpus("0-999999999999", range(8))
 
 
 def test_missing_jemalloc_says_how_to_install(tmp_path):
