@@ -2,6 +2,7 @@
 graph with its kind, the candidates timed and the one kept, the fallback ops in
 its plan and its compile seconds. ``graphs()`` gives the same as records."""
 
+import threading
 import weakref
 from collections import Counter
 from dataclasses import dataclass, field
@@ -37,11 +38,13 @@ class GraphReport:
 
 
 _graphs: list[GraphReport] = []
+_lock = threading.Lock()  # two threads compiling at once: each graph its own index
 
 
 def record(**fields) -> GraphReport:
-    entry = GraphReport(index=len(_graphs), **fields)
-    _graphs.append(entry)
+    with _lock:
+        entry = GraphReport(index=len(_graphs), **fields)
+        _graphs.append(entry)
     return entry
 
 

@@ -195,3 +195,23 @@ def test_the_version_is_the_installed_distributions():
     from importlib.metadata import version
 
     assert kwker.__version__ == version("kwker") and kwker.__version__.count(".") >= 2
+
+
+def test_graphs_recorded_from_threads_at_once_each_get_their_own_index(monkeypatch):
+    import threading
+
+    from kwker import summary
+
+    monkeypatch.setattr(summary, "_graphs", [])
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # a switch between reading the count and appending, as often as can be
+    try:
+        workers = [threading.Thread(target=lambda: [summary.record(kind="eager", nodes=1, seconds=0.0, reason="")
+                                                    for _ in range(3000)]) for _ in range(4)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert sorted(g.index for g in summary.graphs()) == list(range(12000))
