@@ -65,7 +65,15 @@ def directory() -> Path | None:
 
     if torch.compiler.config.force_disable_caches:
         return None
-    return Path(os.environ.get("KWKER_CACHE_DIR") or os.path.join(cache_dir(), "kwker"))
+    return _absolute(os.environ.get("KWKER_CACHE_DIR") or os.path.join(cache_dir(), "kwker"))
+
+
+@functools.cache
+def _absolute(folder: str) -> Path:
+    """A relative folder is taken from the working directory where it is first
+    used, as Inductor takes its own at start: after an os.chdir the records
+    would otherwise be written and looked for in another folder."""
+    return Path(folder).absolute()
 
 
 def key(kind: str, gm: torch.fx.GraphModule, example_inputs, opts: KwkerOptions) -> str:

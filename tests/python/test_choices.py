@@ -124,6 +124,15 @@ def test_the_key_changes_with_what_the_choice_rests_on():
         torch.set_num_threads(threads)
 
 
+def test_a_relative_cache_folder_stays_where_it_was_first_used(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("KWKER_CACHE_DIR", "relative/records")
+    first = choices.directory()
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    assert choices.directory() == first == tmp_path / "relative" / "records"
+
+
 def test_the_code_hash_skips_an_editors_lock_and_hashes_a_file_gone_as_gone(tmp_path, monkeypatch):
     """An editor's lock beside kwker's files (Emacs's `.#choices.py`, a link to
     nowhere) made every compile fail with FileNotFoundError."""
