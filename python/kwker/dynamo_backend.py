@@ -18,7 +18,7 @@ from kwker.rewrite import rewrite_language_model
 from kwker.rewrite.match import why_run_only_as_called
 from kwker.routing import route_graph, size_inputs, unfit_for_kernels
 from kwker.threads import warn_once_if_openmp_spins
-from kwker.tune import (TOLERANCE, TRAINING_TOLERANCE, FirstCallServed, choose, forward_and_backward,
+from kwker.tune import (TOLERANCE, TRAINING_TOLERANCE, FirstCallServed, ForwardAndBackward, choose,
                         not_the_candidates, output_tolerance)
 
 log = logging.getLogger(__name__)
@@ -178,17 +178,19 @@ def build_remembered(kind: str, key: str, builders: dict, plan_detail: dict):
 
 
 def tune_training(gm: torch.fx.GraphModule, example_inputs, opts: KwkerOptions):
-    """A training graph: stock Inductor and Dynamo's graph run eagerly, each
-    timed on this call's inputs over its forward and backward (gradients of
-    the outputs' sum through torch.autograd.grad, so no .grad is written), the
-    fastest kept. kwker's own ops have no backward formulas: no plan here. A
-    graph with random ops goes to Inductor untimed (Inductor draws its own
-    random numbers, so no two candidates' outputs could be compared), and so
-    does one with an op of another library (traced), one that writes an input
-    requiring grad or a view (autograd would record every timing run's write)
-    or whose inputs have gradient hooks (the timing's backward passes would
-    call them). A choice remembered from an earlier tuning of this graph is
-    built alone (kwker.choices)."""
+    """A training graph: stock Inductor and Dynamo's graph run eagerly, each timed
+    on this call's inputs over its forward and backward (gradients of the
+    outputs' sum, each element weighted by a random sign, through
+    torch.autograd.grad on inputs detached from earlier graphs' history, so no
+    .grad is written: tune.ForwardAndBackward), the fastest kept. kwker's own
+    ops have no backward formulas: no plan here. A graph with random ops goes to
+    Inductor untimed (Inductor draws its own random numbers, so no two
+    candidates' outputs could be compared), and so does one with an op of
+    another library (traced), one that writes an input requiring grad or a view
+    (autograd would record every timing run's write) or whose inputs have
+    gradient hooks (the timing's backward passes would call them). A choice
+    remembered from an earlier tuning of this graph is built alone
+    (kwker.choices)."""
     def inductor_timed():
         # The backward compiled with the forward: compiled lazily, at the timing's
         # first backward, it would be compiled inside this compile, which Dynamo refuses.
@@ -211,7 +213,7 @@ def tune_training(gm: torch.fx.GraphModule, example_inputs, opts: KwkerOptions):
     if why_not:
         return "inductor", compile_with_inductor(gm, example_inputs, opts), {"why": why_not}
     choice = choose({**builders, "inductor": inductor_timed}, example_inputs, reference="inductor", truth="eager",
-                    run=forward_and_backward, written=written,
+                    run=ForwardAndBackward(), written=written,
                     tolerance=output_tolerance(gm, example_inputs, TRAINING_TOLERANCE))
     remember_unless_an_error(key, choice, None)
     # Inductor kept is compiled again as stock Inductor compiles it, its backward lazily: the

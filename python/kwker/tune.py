@@ -200,28 +200,42 @@ def call(fn: Callable, inputs: list):
     return fn(*inputs)
 
 
-def forward_and_backward(fn: Callable, inputs: list) -> list:
-    """A training graph's run: its outputs, then the gradients of the sum of
-    the outputs that require grad, each element weighted by a random sign (the
-    same in every run), with respect to each input that requires grad, through
-    torch.autograd.grad (no .grad field is written). Signs, not the plain sum,
-    whose gradient through an output of constant sum (a batch norm's in training
-    mode, a softmax) is zero: every gradient before it was rounding noise, and
-    no candidate's backward of it was checked. The inputs are
-    those that require grad before the run: one it writes a value requiring
-    grad into requires it after. Each is detached first, a leaf of this run's
-    own: where one input comes from another through the autograd history of an
-    earlier graph (a tied weight and the hidden state computed from it, across
-    a graph break), the backward would run through that graph and free what it
-    saved for the user's own backward."""
-    inputs = [x.detach().requires_grad_() if isinstance(x, torch.Tensor) and x.requires_grad else x for x in inputs]
-    leaves = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
-    outputs = _flat_tensors(fn(*inputs))
-    roots = [t for t in outputs if isinstance(t, torch.Tensor) and t.requires_grad]
-    signs = torch.Generator().manual_seed(0)
-    weights = [torch.randint(0, 2, t.shape, generator=signs).to(t.dtype) * 2 - 1 for t in roots]
-    grads = torch.autograd.grad(roots, leaves, weights, allow_unused=True) if roots and leaves else ()
-    return [t.detach() if isinstance(t, torch.Tensor) else t for t in outputs] + list(grads)
+class ForwardAndBackward:
+    """A training graph's run, `run(fn, inputs)`: its outputs, then the
+    gradients of the sum of the outputs that require grad, each element
+    weighted by a random sign, with respect to each input that requires grad,
+    through torch.autograd.grad (no .grad field is written). Signs, not the
+    plain sum, whose gradient through an output of constant sum (a batch norm's
+    in training mode, a softmax) is zero: every gradient before it was rounding
+    noise, and no candidate's backward of it was checked. One object serves one
+    tuning: each output's signs are drawn once, as int8 (drawn at every run they
+    cost several times a ones_like: 282 ms for 20M elements), the same in every
+    run, the float64 one too. The inputs are those that require grad before the
+    run: one it writes a value requiring grad into requires it after. Each is
+    detached first, a leaf of this run's own: where one input comes from another
+    through the autograd history of an earlier graph (a tied weight and the
+    hidden state computed from it, across a graph break), the backward would
+    run through that graph and free what it saved for the user's own backward."""
+
+    def __init__(self):
+        self.signs: dict[tuple, torch.Tensor] = {}
+
+    def __call__(self, fn: Callable, inputs: list) -> list:
+        inputs = [x.detach().requires_grad_() if isinstance(x, torch.Tensor) and x.requires_grad else x
+                  for x in inputs]
+        leaves = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
+        outputs = _flat_tensors(fn(*inputs))
+        roots = [t for t in outputs if isinstance(t, torch.Tensor) and t.requires_grad]
+        weights = [self._signs(i, t.shape).to(t.dtype) for i, t in enumerate(roots)]
+        grads = torch.autograd.grad(roots, leaves, weights, allow_unused=True) if roots and leaves else ()
+        return [t.detach() if isinstance(t, torch.Tensor) else t for t in outputs] + list(grads)
+
+    def _signs(self, i: int, shape) -> torch.Tensor:
+        key = (i, tuple(shape))
+        if key not in self.signs:
+            drawn = torch.randint(0, 2, key[1], generator=torch.Generator().manual_seed(i), dtype=torch.int8)
+            self.signs[key] = drawn.mul_(2).sub_(1)
+        return self.signs[key]
 
 
 # A gate: given the median ms of the candidates built before its own, why its
@@ -237,7 +251,7 @@ def choose(builders: dict[str, Callable[[], Callable]], inputs: list, reference:
     the reference's failure propagates where there is no truth, or the truth
     fails too. truth: the candidate whose outputs the others must give (the
     reference when None, or when the truth itself fails).
-    run: one timed run of a candidate (`call`, or `forward_and_backward` with
+    run: one timed run of a candidate (`call`, or a `ForwardAndBackward` with
     TRAINING_TOLERANCE as the tolerance).
     written: the inputs the graph writes in place, put back as they were after
     every run, so that each candidate, and the call that follows the tuning,

@@ -12,7 +12,7 @@ import torch
 import kwker
 import kwker.tune
 from kwker import summary
-from kwker.tune import MARGIN, TRAINING_TOLERANCE, FirstCallServed, choose, forward_and_backward
+from kwker.tune import MARGIN, TRAINING_TOLERANCE, FirstCallServed, ForwardAndBackward, choose
 from kwker.weights import HUGE_PAGES_BELOW_ROWS
 
 pytestmark = pytest.mark.usefixtures("fresh_compile_state")
@@ -630,7 +630,7 @@ def test_a_training_candidate_whose_backward_drops_a_softmaxs_gradient_is_left_o
     proj = torch.nn.Linear(8, 5)
     right, wrong = (lambda x: proj(x).softmax(-1)), (lambda x: _SoftmaxWithoutGradient.apply(proj(x)))
     x = torch.randn(4, 8, requires_grad=True)
-    choice = choose({"eager": lambda: right, "wrong": lambda: wrong}, [x], "eager", run=forward_and_backward,
+    choice = choose({"eager": lambda: right, "wrong": lambda: wrong}, [x], "eager", run=ForwardAndBackward(),
                     tolerance=TRAINING_TOLERANCE)
     assert "differs" in choice.left_out["wrong"], choice
 
