@@ -108,7 +108,7 @@ def recall(key_: str) -> Record | None:
         return _checked(Record(**json.loads(text)))
     except FileNotFoundError:
         return None
-    except (OSError, ValueError, TypeError, RecursionError) as e:  # RecursionError: JSON nested too deep
+    except (OSError, ValueError, TypeError, RecursionError, OverflowError) as e:  # Recursion: JSON nested too deep
         log.warning("kwker: the tuning choice in %s cannot be read (%s: %s); the graph is tuned again",
                     path, type(e).__name__, e)
         return None
@@ -120,11 +120,12 @@ def _checked(record: Record) -> Record:
     its own, a time NaN or inf)."""
     times = record.candidates
     if not (isinstance(record.choice, str) and isinstance(record.fallback, (str, type(None)))
-            and isinstance(times, dict) and all(isinstance(t, (int, float)) for t in times.values())):
+            and isinstance(times, dict)
+            and all(isinstance(t, (int, float)) and not isinstance(t, bool) for t in times.values())):
         raise ValueError(f"fields of the wrong types: {record!r:.200}")
-    names = [record.choice, *([record.fallback] if record.fallback else []), *times]
+    names = [record.choice, *([record.fallback] if record.fallback is not None else []), *times]
     if not all(isinstance(n, str) and n.isidentifier() for n in names) \
-            or not all(math.isfinite(t) and t >= 0 for t in times.values()):
+            or not all(math.isfinite(t) and t >= 0 for t in times.values()):  # float(10**400): OverflowError
         raise ValueError(f"a candidate that is no name, or a time that is no duration: {record!r:.200}")
     return record
 

@@ -245,6 +245,8 @@ def test_a_choice_made_with_a_candidate_left_out_by_an_error_is_not_remembered(m
 @pytest.mark.parametrize("content", ["{not json", '{"choice": "plan", "unknown": 1}', '{"choice": "nonexistent"}',
                                      '{"choice": "eager", "candidates": "fast"}', "[1]",
                                      '{"choice": "eager", "candidates": {"eager": NaN}}',
+                                     '{"choice": "eager", "candidates": {"eager": 1%s}}' % ("0" * 400),
+                                     '{"choice": "eager", "candidates": {"eager": true}}', '{"choice": "eager", "fallback": ""}',
                                      '{"choice": "eager", "candidates": {"eager\\n    9  forged": 1.0}}',
                                      "[" * 20000 + "]" * 20000, '{"choice": "eager"}' + " " * (1 << 17)])
 def test_a_record_that_cannot_be_read_or_built_is_tuned_again_and_replaced(content, caplog):
