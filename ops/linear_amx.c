@@ -36,9 +36,9 @@
  * 16 sums are transposed in registers, biased and rounded to y's dtype a row of
  * x at a time. Sums are f32; the tile unit treats
  * denormal bf16 inputs as zero and flushes denormal products and sums (an f32
- * activation below 2^-110 or so loses its last part; rows whose products all
- * fall under 2^-126, activations under about 1e-36, give zeros where the f32
- * linear gives denormals: README). A thread loads the tile configuration when it lays out x for a
+ * activation below 2^-110 or so loses its last part; where the products fall
+ * under 2^-126, activations under about 1e-35, the outputs lose accuracy,
+ * zeros from about 3e-38, where the f32 linear keeps denormals: README). A thread loads the tile configuration when it lays out x for a
  * call and releases the tiles after its last rows (`done`), so its tile state is
  * never live between kernels. */
 #include "amx.h"

@@ -83,6 +83,14 @@ def parse_cpus(text: str, allowed_cpus) -> list[int]:
     return sorted(cpus)
 
 
+def _count(text: str) -> int:
+    """OMP_NUM_THREADS as OpenMP reads it (" 8" is 8), 0 for what it would not."""
+    try:
+        return int(text)
+    except ValueError:
+        return 0
+
+
 def launch_settings(args, environ, allowed_cpus) -> tuple[dict, list[int] | None]:
     """The environment and CPU set for the program: what the options ask, the
     user's own variables kept. `allowed_cpus` are the CPUs this process may use."""
@@ -99,7 +107,7 @@ def launch_settings(args, environ, allowed_cpus) -> tuple[dict, list[int] | None
     else:
         env.setdefault("OMP_NUM_THREADS", str(len(cpus or allowed_cpus)))
     threads, usable = env["OMP_NUM_THREADS"], len(cpus or allowed_cpus)
-    if threads.isdigit() and int(threads) > usable:
+    if _count(threads) > usable:
         where = f"--threads {threads}" if args.threads is not None else f"OMP_NUM_THREADS={threads}"
         print(f"kwker.run: warning: {where} on {usable} CPUs: threads share a CPU, and each barrier between them "
               "waits for a context switch (torch runs no more threads than the machine has CPUs)", file=sys.stderr)

@@ -69,4 +69,5 @@ def format_report() -> str:
 
 
 def clear() -> None:
-    _graphs.clear()
+    with _lock:
+        _graphs.clear()
