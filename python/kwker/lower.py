@@ -199,7 +199,7 @@ class _Lowering:
         is copied for the one value."""
         key = storage_key(t)
         whole = self.constant_tensors.get(key)
-        if whole is None or whole.dtype != t.dtype:
+        if whole is None:
             buf = self.b.output_buffer(f"{node.name}.fresh", t.dtype, tuple(t.shape))
             copy = self.b.view(buf, t.dtype, tuple(t.shape), None, 0)
             self.op(node, "convert", [copy, self.view(t)])
@@ -274,6 +274,10 @@ class _Lowering:
         if _is_view_op(node) and self._views_declared_constant(node, result):
             self.folded[node] = result  # read through the constant's own buffer, as any view
             return
+        if _is_view_op(node) and storage_key(val(node)) in self.constant_tensors:
+            # A copy of its own would replace that storage's buffer under every other view of it
+            # (`a.t().view(torch.int32)` beside `a` returned: a's values came out transposed).
+            raise NotLowerable(f"{node.name} views a constant in another dtype or layout than the constant's")
         self.declare_constant(node, result.contiguous() if _is_view_op(node) else result)
 
     def _views_declared_constant(self, node: Node, result: torch.Tensor) -> bool:
@@ -485,7 +489,11 @@ def _lower_add_rms_norm(lw: _Lowering, node: Node):
 
 
 def _lower_rotary(lw: _Lowering, node: Node):
+    """cos and sin of one dtype: of two, eager rounds x·cos to the narrower one
+    before the sum, which the kernel does not (the op's reference runs)."""
     x, cos, sin = node.args
+    if val(cos).dtype != val(sin).dtype:
+        return False
     views = [lw.view(val(node)), lw.view(val(x)), lw.view(val(cos)), lw.view(val(sin))]
     lw.op(node, "rotary", views, ROTARY_HALF)
 
@@ -508,10 +516,15 @@ def _lower_attention(lw: _Lowering, node: Node):
 
 
 def _lower_layer_norm(lw: _Lowering, node: Node):
-    """native_layer_norm over the last dim whose mean and rstd nothing reads (inference)."""
+    """native_layer_norm over the last dim whose mean and rstd nothing reads
+    (inference), its weight and bias of one dtype, x's or float32, as PyTorch
+    takes them (its own raises for the others, as it should here)."""
     x, shape, weight, bias, eps = node.args
     out, mean, rstd = val(node)
     if list(shape) != [val(x).shape[-1]] or any(u.args[1] != 0 for u in node.users):
+        return False
+    params = {val(p).dtype for p in (weight, bias) if p is not None}
+    if len(params) > 1 or not params <= {val(x).dtype, torch.float32}:
         return False
     _lower_row_norm(lw, node, "layer_norm", out, val(x), [lw.arg_view(weight), lw.arg_view(bias)], [], [eps])
 
@@ -1119,8 +1132,9 @@ def _lower_kv_write(lw: _Lowering, node: Node):
     cache, dim, pos, src = node.args
     if dim % val(cache).dim() != 2:
         raise NotLowerable(f"{node.name}: index_copy_ along dim {dim}, not the cache's sequence dim 2")
-    if val(src).dtype != val(cache).dtype:
-        return False  # index_copy_ raises for a source of another dtype: PyTorch's, as a fallback step, raises too
+    if val(src).dtype != val(cache).dtype or val(pos).dtype != torch.int64:
+        return False  # index_copy_ raises for a source of another dtype or an index not int64: PyTorch's, as a
+        # fallback step, raises too
     lw.op(node, "kv_write", [lw.view(val(cache)), lw.view(val(src)), lw.view(val(pos))])
 
 

@@ -406,6 +406,78 @@ def test_a_returned_constant_and_its_views_share_one_fresh_copy_as_in_eager():
     assert first[0][1, 0] == 13.0  # the second call's write reached its own copy only
 
 
+class _ViewsAConstantInAnotherDtype(torch.nn.Module):
+    def forward(self, x):
+        a = torch.arange(6.0).view(2, 3)
+        return a, a.t().view(torch.int32), x + 1
+
+
+def test_a_constant_viewed_in_another_dtype_is_not_lowered():
+    """The view's own copy replaced the storage's buffer under every other view
+    of it: `a` came out transposed. A storage holds one buffer: such a graph is
+    not for a plan."""
+    from kwker.aten_graph import trace_to_aten
+    from kwker.lower import NotLowerable, lower_to_plan
+
+    x = torch.randn(3)
+    with pytest.raises(NotLowerable, match="views a constant in another dtype or layout"):
+        lower_to_plan(trace_to_aten(_ViewsAConstantInAnotherDtype(), [x]), [x], [])
+
+
+def _layer_norm(x, w, b):
+    return torch.nn.functional.layer_norm(x, (x.shape[-1],), w, b)
+
+
+def _cache_write(cache, pos, src):
+    cache.index_copy_(2, pos, src)
+    return cache.sum(2)
+
+
+@pytest.mark.parametrize("fn, inputs", [
+    (_layer_norm, lambda: [torch.randn(2, 16), torch.ones(16), torch.zeros(16, dtype=torch.bfloat16)]),
+    (_layer_norm, lambda: [torch.randn(2, 16), torch.ones(16, dtype=torch.bfloat16), None]),
+    (_layer_norm, lambda: [torch.randn(2, 16, dtype=torch.bfloat16), torch.ones(16), torch.zeros(16).bfloat16()]),
+    (_cache_write, lambda: [torch.zeros(1, 2, 6, 4), torch.tensor([1], dtype=torch.int32), torch.randn(1, 2, 1, 4)]),
+], ids=["layer-norm-f32-bf16-bias", "layer-norm-f32-bf16-weight", "layer-norm-bf16-mixed", "cache-int32-index"])
+def test_dtypes_eager_refuses_raise_from_a_plan_as_from_eager(fn, inputs):
+    """kwker's kernels took them: a layer norm's weight or bias of a dtype
+    PyTorch's refuses beside x's (Bloom's after `h.0`'s norm was made bf16
+    under float32 activations gave tokens), an int32 cache position."""
+    from kwker.plan import compile_plan
+
+    with pytest.raises(RuntimeError) as eager:
+        fn(*inputs())
+    plan, _ = compile_plan(torch.fx.symbolic_trace(fn), inputs())
+    with pytest.raises(RuntimeError) as got:
+        plan(*inputs())
+    assert str(eager.value) in str(got.value)
+
+
+def _rotate_half(x):
+    return torch.cat((-x[..., x.shape[-1] // 2:], x[..., :x.shape[-1] // 2]), dim=-1)
+
+
+def _rotary(x, cos, sin):
+    return x * cos + _rotate_half(x) * sin
+
+
+@pytest.mark.parametrize("cos_dtype, sin_dtype", [(torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16)])
+def test_a_rotary_with_cos_and_sin_of_two_dtypes_rounds_as_eager(cos_dtype, sin_dtype):
+    """Eager rounds the narrower product before the sum; the kernel did not (0.015 off in bf16)."""
+    from kwker.aten_graph import trace_to_aten
+    from kwker.lower import lower_to_plan
+    from kwker.rewrite import rewrite_language_model
+
+    torch.manual_seed(0)
+    x, angle = torch.randn(1, 4, 8, 64).bfloat16(), torch.randn(1, 1, 8, 64)
+    inputs = [x, angle.cos().to(cos_dtype), angle.sin().to(sin_dtype)]
+    traced = trace_to_aten(_rotary, inputs)
+    counts, _ = rewrite_language_model(traced)
+    assert counts["rotary"] == 1, counts
+    plan, _ = lower_to_plan(traced, inputs, [])
+    assert torch.equal(plan(*inputs)[0], _rotary(*inputs))
+
+
 class _TransposedNorm(torch.nn.Module):
     """Whisper's encoder's start: a convolution's output transposed, plus
     positions (eager keeps the transposed layout), then a layer norm."""
