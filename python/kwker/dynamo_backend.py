@@ -194,8 +194,13 @@ def tune_training(gm: torch.fx.GraphModule, example_inputs, opts: KwkerOptions):
     def inductor_timed():
         # The backward compiled with the forward: compiled lazily, at the timing's
         # first backward, it would be compiled inside this compile, which Dynamo refuses.
-        with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
-            return compile_with_inductor(gm, example_inputs, opts)
+        # Not written to Inductor's caches, whose keys leave that out: the compile of the
+        # Inductor kept, and stock Inductor's in later processes, loaded this one, whose
+        # backward takes the saved tensors' buffers, and backward(retain_graph=True)'s
+        # second pass read them overwritten (gradients 3.2 off).
+        with torch._functorch.config.patch(force_non_lazy_backward_lowering=True), \
+                torch._inductor.config.patch(fx_graph_cache=False):
+            return compile_with_inductor(gm, example_inputs, opts, autograd_cache=False)
 
     key = choices.key("training", gm, example_inputs, opts)
     builders = {"inductor": lambda: compile_with_inductor(gm, example_inputs, opts), "eager": lambda: gm}
@@ -255,15 +260,16 @@ def traced(gm: torch.fx.GraphModule, example_inputs):
     return aten_gm, written, None
 
 
-def compile_with_inductor(gm: torch.fx.GraphModule, example_inputs, opts: KwkerOptions):
-    """Inductor's compile of gm, without PyTorch's AOTAutograd cache where two
-    inputs share a storage: torch 2.13's cache key leaves out which inputs
-    overlap, so an entry compiled for views of one tensor was loaded for
-    separate ones (AssertionError: wrong number of dimensions) and one
-    compiled for separate inputs was loaded for views of one tensor, one of
-    them written (outputs 65 off eager's, with stock Inductor too)."""
+def compile_with_inductor(gm: torch.fx.GraphModule, example_inputs, opts: KwkerOptions, autograd_cache=True):
+    """Inductor's compile of gm, without PyTorch's AOTAutograd cache where the
+    caller says (tune_training's timed compile) or where two inputs share a
+    storage: torch 2.13's cache key leaves out which inputs overlap, so an
+    entry compiled for views of one tensor was loaded for separate ones
+    (AssertionError: wrong number of dimensions) and one compiled for separate
+    inputs was loaded for views of one tensor, one of them written (outputs 65
+    off eager's, with stock Inductor too)."""
     from torch._inductor.compile_fx import compile_fx
 
     shared = any(first != i for i, first in enumerate(first_over_storage(example_inputs)))
-    with torch._functorch.config.patch(enable_autograd_cache=not shared):
+    with torch._functorch.config.patch(enable_autograd_cache=autograd_cache and not shared):
         return compile_fx(gm, example_inputs, config_patches=dict(opts.inductor_patches))
