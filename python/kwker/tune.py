@@ -550,6 +550,10 @@ def _differs(out, ref, tolerance: dict = TOLERANCE, ref_name: str = "the referen
             continue
         if not isinstance(a, torch.Tensor) or a.shape != b.shape or a.dtype != b.dtype:
             return f"output {i} is not a tensor like {ref_name}'s ({b.dtype}, {tuple(b.shape)})"
+        if a.layout != b.layout:
+            return f"output {i} is {a.layout}, {ref_name}'s {b.layout}"
+        if b.is_sparse:  # an embedding's sparse gradient: compared by value
+            a, b = a.to_dense(), b.to_dense()
         if not b.is_floating_point():
             if not torch.equal(a, b):
                 return f"output {i} differs from {ref_name}'s"
