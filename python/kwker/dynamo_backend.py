@@ -224,7 +224,8 @@ def tune_training(gm: torch.fx.GraphModule, example_inputs, opts: KwkerOptions):
     # Inductor kept is compiled again as stock Inductor compiles it, its backward lazily: the
     # timed one's, compiled before any backward said whether it keeps the graph, takes
     # the saved tensors' buffers for its own and refuses backward(retain_graph=True) and
-    # create_graph=True (a second compile of the forward, from Inductor's caches).
+    # create_graph=True (a second compile of the forward: the timed one is kept out of
+    # Inductor's caches, see inductor_timed).
     kept = builders["inductor"]() if choice.name == "inductor" else choice.fn
     return "training", kept, {"candidates": choice.ms, "choice": choice.name, "left_out": choice.left_out}
 
