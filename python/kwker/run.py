@@ -66,6 +66,7 @@ def parse_cpus(text: str, allowed_cpus) -> list[int]:
     """`0-3,6` -> [0, 1, 2, 3, 6], as taskset -c reads it, each CPU one of
     allowed_cpus (a range is checked before it is counted out: `0-10000000`
     took 0.8 GB)."""
+    allowed = set(allowed_cpus)
     cpus = set()
     try:
         for part in text.split(","):
@@ -73,13 +74,11 @@ def parse_cpus(text: str, allowed_cpus) -> list[int]:
             lo, hi = int(first), int(last if dash else first)
             if lo < 0 or hi < lo:
                 raise ValueError
-            if hi > max(allowed_cpus):
-                raise SystemExit(f"kwker.run: --cpus {text}: this process may only use CPUs {sorted(allowed_cpus)}")
+            if hi > max(allowed) or not allowed.issuperset(range(lo, hi + 1)):
+                raise SystemExit(f"kwker.run: --cpus {text}: this process may only use CPUs {sorted(allowed)}")
             cpus.update(range(lo, hi + 1))
     except ValueError:
         raise SystemExit(f"kwker.run: --cpus {text!r}: expected a list such as 0-3,6") from None
-    if not cpus <= set(allowed_cpus):
-        raise SystemExit(f"kwker.run: --cpus {text}: this process may only use CPUs {sorted(allowed_cpus)}")
     return sorted(cpus)
 
 
