@@ -198,9 +198,8 @@ def tune_training(gm: torch.fx.GraphModule, example_inputs, opts: KwkerOptions):
         # Inductor kept, and stock Inductor's in later processes, loaded this one, whose
         # backward takes the saved tensors' buffers, and backward(retain_graph=True)'s
         # second pass read them overwritten (gradients 3.2 off).
-        with torch._functorch.config.patch(force_non_lazy_backward_lowering=True), \
-                torch._inductor.config.patch(fx_graph_cache=False):
-            return compile_with_inductor(gm, example_inputs, opts, autograd_cache=False)
+        with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
+            return compile_with_inductor(gm, example_inputs, opts, caches=False)
 
     key = choices.key("training", gm, example_inputs, opts)
     builders = {"inductor": lambda: compile_with_inductor(gm, example_inputs, opts), "eager": lambda: gm}
@@ -261,16 +260,19 @@ def traced(gm: torch.fx.GraphModule, example_inputs):
     return aten_gm, written, None
 
 
-def compile_with_inductor(gm: torch.fx.GraphModule, example_inputs, opts: KwkerOptions, autograd_cache=True):
-    """Inductor's compile of gm, without PyTorch's AOTAutograd cache where the
-    caller says (tune_training's timed compile) or where two inputs share a
-    storage: torch 2.13's cache key leaves out which inputs overlap, so an
-    entry compiled for views of one tensor was loaded for separate ones
-    (AssertionError: wrong number of dimensions) and one compiled for separate
-    inputs was loaded for views of one tensor, one of them written (outputs 65
-    off eager's, with stock Inductor too)."""
+def compile_with_inductor(gm: torch.fx.GraphModule, example_inputs, opts: KwkerOptions, caches=True):
+    """Inductor's compile of gm; with caches=False (tune_training's timed compile)
+    neither read from nor written to Inductor's FX-graph and AOTAutograd caches.
+    Without the AOTAutograd cache too where two inputs share a storage: torch
+    2.13's cache key leaves out which inputs overlap, so an entry compiled for
+    views of one tensor was loaded for separate ones (AssertionError: wrong
+    number of dimensions) and one compiled for separate inputs was loaded for
+    views of one tensor, one of them written (outputs 65 off eager's, with stock
+    Inductor too)."""
     from torch._inductor.compile_fx import compile_fx
 
     shared = any(first != i for i, first in enumerate(first_over_storage(example_inputs)))
-    with torch._functorch.config.patch(enable_autograd_cache=autograd_cache and not shared):
-        return compile_fx(gm, example_inputs, config_patches=dict(opts.inductor_patches))
+    patches = dict(opts.inductor_patches) if caches else {**opts.inductor_patches, "fx_graph_cache": False}
+    autograd_cache = torch._functorch.config.enable_autograd_cache and caches and not shared
+    with torch._functorch.config.patch(enable_autograd_cache=autograd_cache):
+        return compile_fx(gm, example_inputs, config_patches=patches)
