@@ -7,8 +7,6 @@ from dataclasses import dataclass
 
 import torch
 
-# Accelerators kwker leaves to Inductor unchanged: kwker's kernels are for the CPU.
-ACCELERATOR_DEVICES = frozenset({"cuda", "xpu", "mps"})
 
 # The floating dtypes kwker's kernels read and write.
 KERNEL_FLOAT_DTYPES = frozenset({torch.float32, torch.bfloat16})
@@ -45,9 +43,11 @@ def size_inputs(example_inputs) -> bool:
 
 
 def route_graph(gm: torch.fx.GraphModule, example_inputs, grad_enabled: bool = False) -> Route:
-    accelerators = sorted(graph_devices(gm, example_inputs) & ACCELERATOR_DEVICES)
-    if accelerators:
-        return Route("inductor-unchanged", f"tensors on {', '.join(accelerators)}: kwker's kernels are CPU-only")
+    # Any device but the CPU (an accelerator, meta, a backend of another library):
+    # kwker's kernels, timings and checks are for the CPU.
+    elsewhere = sorted(graph_devices(gm, example_inputs) - {"cpu"})
+    if elsewhere:
+        return Route("inductor-unchanged", f"tensors on {', '.join(elsewhere)}: kwker's kernels are CPU-only")
     dynamic = Route("inductor", "dynamic shapes: kwker's rewrites, plans and timings need static shapes")
     if grad_enabled and any(isinstance(x, torch.Tensor) and x.requires_grad for x in example_inputs):
         if symbolic_tensor(example_inputs) or size_inputs(example_inputs):

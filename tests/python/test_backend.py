@@ -1,5 +1,6 @@
 """The backend as torch sees it: discovery, options, mode, routing, logging."""
 
+import itertools
 import os
 import subprocess
 import sys
@@ -132,9 +133,9 @@ def test_the_callers_options_dict_is_not_modified():
     assert options == {"inner": "inductor", "max-autotune": False}
 
 
-def test_a_graph_with_tensors_on_an_accelerator_goes_to_inductor_unchanged():
+def test_a_graph_with_tensors_on_any_device_but_the_cpu_goes_to_inductor_unchanged():
     gm = torch.fx.symbolic_trace(lambda x, y: x * y)
-    for devices in (("cuda", "cuda"), ("cpu", "mps"), ("xpu", "cpu")):
+    for devices in (("cuda", "cuda"), ("cpu", "mps"), ("xpu", "cpu"), ("meta", "meta"), ("cpu", "meta")):
         with FakeTensorMode(allow_non_fake_inputs=True):
             inputs = [torch.empty(4, 8, device=d) for d in devices]
         assert graph_devices(gm, inputs) == set(devices)
@@ -142,6 +143,19 @@ def test_a_graph_with_tensors_on_an_accelerator_goes_to_inductor_unchanged():
         assert route.path == "inductor-unchanged", devices
         assert next(d for d in devices if d != "cpu") in route.reason
     assert route_graph(gm, [torch.empty(4, 8), torch.empty(4, 8)]).path == "cpu-inference"
+
+
+def test_a_model_on_the_meta_device_compiles_as_with_stock_inductor():
+    """Meta tensors (a model sized before its weights are loaded) were tuned as
+    a CPU graph, whose check against eager failed the compile (aten::equal has
+    no meta kernel)."""
+    model = torch.nn.Linear(16, 32).to("meta")
+    x = torch.empty(4, 16, device="meta")
+    for backend, grad in itertools.product(("inductor", "kwker"), (False, True)):
+        torch._dynamo.reset()
+        with torch.set_grad_enabled(grad):
+            out = torch.compile(model, backend=backend)(x)
+        assert (out.device.type, out.shape, out.requires_grad) == ("meta", (4, 32), grad), backend
 
 
 def test_torch_logs_shows_what_kwker_chose_for_each_graph():
