@@ -592,6 +592,8 @@ int main(int argc, char **argv) {
         }
     }
     if (threads < 1) threads = (int)sysconf(_SC_NPROCESSORS_ONLN);
+    const char *problems = kw_cpu_env_problems();
+    if (problems) fprintf(stderr, "ops_bench: %s\n", problems);
     kw_pool *pool = kw_pool_create(threads), *solo = kw_pool_create(1);
     FILE *out = stdout;
     if (read_only) {

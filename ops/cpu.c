@@ -1,8 +1,11 @@
 /* Runtime ISA detection: the CPU must report the instructions (CPUID) and the OS
  * must save the vector state they use (XGETBV), else AVX-512 code faults. */
 #include <cpuid.h>
+#include <pthread.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -58,12 +61,17 @@ const char *kw_isa_name(kw_isa isa) {
     }
 }
 
+/* The ISA of that name, in any case ("AVX2" is avx2), or -1. */
+static int isa_named(const char *name) {
+    for (int i = 0; i < KW_ISA_COUNT; i++)
+        if (strcasecmp(name, kw_isa_name((kw_isa)i)) == 0) return i;
+    return -1;
+}
+
 static kw_isa isa_cap_from_env(void) {
     const char *cap = getenv("KWKER_ISA");
-    if (cap)
-        for (int i = 0; i < KW_ISA_COUNT; i++)
-            if (strcmp(cap, kw_isa_name((kw_isa)i)) == 0) return (kw_isa)i;
-    return KW_ISA_COUNT - 1;
+    const int named = cap ? isa_named(cap) : -1;
+    return named >= 0 ? (kw_isa)named : KW_ISA_COUNT - 1;
 }
 
 kw_isa kw_cpu_isa(void) {
@@ -86,6 +94,34 @@ static int64_t env_setting(const char *name, int64_t max) {
     char *end;
     const long long v = env ? strtoll(env, &end, 10) : -1;
     return env && *env && !*end && v >= 0 && v <= max ? v : -1;
+}
+
+enum { PREFETCH_MAX_BYTES = 1 << 20 };
+
+static char env_problems[512];
+
+/* Appends "NAME=value is not <what>: ignored" to env_problems when the
+ * variable is set (not empty) and was not understood. */
+static void note_ignored(const char *name, int understood, const char *what) {
+    const char *value = getenv(name);
+    if (!value || !*value || understood) return;
+    const size_t used = strlen(env_problems);
+    snprintf(env_problems + used, sizeof env_problems - used, "%s%s=%.40s is not %s: ignored", used ? "; " : "",
+             name, value, what);
+}
+
+static void find_env_problems(void) {
+    const char *isa = getenv("KWKER_ISA");
+    note_ignored("KWKER_ISA", isa && isa_named(isa) >= 0, "one of scalar, avx2, avx512, avx512bf16, amx");
+    note_ignored("KWKER_PREFETCH", env_setting("KWKER_PREFETCH", PREFETCH_MAX_BYTES) >= 0,
+                 "a count of bytes from 0 to 1048576");
+    note_ignored("KWKER_PREFETCH_L2", env_setting("KWKER_PREFETCH_L2", 1) >= 0, "0 or 1");
+}
+
+const char *kw_cpu_env_problems(void) {
+    static pthread_once_t once = PTHREAD_ONCE_INIT;
+    pthread_once(&once, find_env_problems);
+    return env_problems[0] ? env_problems : NULL;
 }
 
 /* Streaming weights row after row, one core keeps only so many lines in flight
@@ -120,7 +156,7 @@ static int64_t env_setting(const char *name, int64_t max) {
 kw_prefetch kw_cpu_prefetch(int64_t rows, kw_dtype weights) {
     /* -2: not read yet, -1: not set; benign races, as in kw_cpu_isa */
     static int64_t bytes_env = -2, l2_env = -2, intel = -1;
-    if (bytes_env == -2) bytes_env = env_setting("KWKER_PREFETCH", 1 << 20);
+    if (bytes_env == -2) bytes_env = env_setting("KWKER_PREFETCH", PREFETCH_MAX_BYTES);
     if (l2_env == -2) l2_env = env_setting("KWKER_PREFETCH_L2", 1);
     if (intel < 0) intel = is_intel();
     int64_t bytes;

@@ -22,7 +22,7 @@ typedef enum kw_isa {
 
 /* The best ISA this CPU and OS support (CPUID + XGETBV; for AMX, Linux's
  * permission to use tile data as well), capped by the environment variable
- * KWKER_ISA=<name> when set. AMX is AVX512-BF16 plus AMX-BF16 tiles: ops without
+ * KWKER_ISA=<name> when set (in any case). AMX is AVX512-BF16 plus AMX-BF16 tiles: ops without
  * an AMX kernel run their AVX512-BF16 one there (KW__PICK). */
 kw_isa kw_cpu_isa(void);
 const char *kw_isa_name(kw_isa isa);
@@ -37,6 +37,11 @@ typedef struct kw_prefetch {
     int to_l2;
 } kw_prefetch;
 kw_prefetch kw_cpu_prefetch(int64_t rows, kw_dtype weights);
+
+/* The KWKER_ISA, KWKER_PREFETCH and KWKER_PREFETCH_L2 values that are set but
+ * not understood (a name or number out of range), which the two functions above
+ * ignore, as one message; NULL when there are none. The binding warns with it. */
+const char *kw_cpu_env_problems(void);
 
 typedef enum kw_op_id {
 #define KW_OP(id, name) KW_OP_##id,

@@ -95,3 +95,27 @@ Test(cpu, prefetch_cache_level_not_0_or_1_in_the_environment_is_ignored) {
     __builtin_cpu_init();
     cr_expect_eq(kw_cpu_prefetch(1, KW_BF16).to_l2, __builtin_cpu_is("intel"));
 }
+
+Test(cpu, an_isa_cap_is_read_in_any_case) {
+    setenv("KWKER_ISA", "AVX2", 1);
+    cr_expect_leq(kw_cpu_isa(), KW_ISA_AVX2);
+    cr_expect_null(kw_cpu_env_problems());
+}
+
+Test(cpu, settings_set_but_not_understood_are_named_for_the_warning) {
+    setenv("KWKER_ISA", "avx-512", 1);
+    setenv("KWKER_PREFETCH", "4k", 1);
+    setenv("KWKER_PREFETCH_L2", "2", 1);
+    const char *problems = kw_cpu_env_problems();
+    cr_assert_not_null(problems);
+    cr_expect_str_eq(problems, "KWKER_ISA=avx-512 is not one of scalar, avx2, avx512, avx512bf16, amx: ignored; "
+                               "KWKER_PREFETCH=4k is not a count of bytes from 0 to 1048576: ignored; "
+                               "KWKER_PREFETCH_L2=2 is not 0 or 1: ignored");
+}
+
+Test(cpu, settings_understood_or_empty_give_no_warning) {
+    setenv("KWKER_ISA", "avx512bf16", 1);
+    setenv("KWKER_PREFETCH", "1048576", 1);
+    setenv("KWKER_PREFETCH_L2", "", 1);
+    cr_expect_null(kw_cpu_env_problems());
+}

@@ -165,6 +165,17 @@ def test_torch_logs_shows_what_kwker_chose_for_each_graph():
     assert "graph 0" in result.stderr and "inductor" in result.stderr
 
 
+def test_a_kwker_setting_in_the_environment_that_is_not_understood_is_warned_about():
+    code = "import torch\ntorch.compile(lambda x: x * 3, backend='kwker')(torch.randn(4))\n"
+    result = run_python(code, KWKER_ISA="avx-2", KWKER_PREFETCH="-1")
+    assert result.returncode == 0, result.stderr
+    assert "UserWarning: kwker: KWKER_ISA=avx-2 is not one of scalar, avx2" in result.stderr, result.stderr
+    assert "KWKER_PREFETCH=-1 is not a count of bytes" in result.stderr
+    result = run_python("import kwker._C, sys; sys.stdout.write(kwker._C.cpu_isa())", KWKER_ISA="AVX2")
+    assert result.returncode == 0 and result.stdout in ("scalar", "avx2"), result
+    assert "Warning" not in result.stderr, result.stderr
+
+
 def test_kwker_logs_nothing_by_default():
     code = "import torch\ntorch.compile(lambda x: x * 3, backend='kwker')(torch.randn(4))\n"
     result = run_python(code)

@@ -153,6 +153,8 @@ static PyMethodDef module_methods[] = {
 };
 
 static int module_exec(PyObject *module) {
+    const char *problems = kw_cpu_env_problems();
+    if (problems && PyErr_WarnFormat(PyExc_UserWarning, 1, "kwker: %s", problems) < 0) return -1;
     return kw__module_add_types(module);
 }
 
