@@ -44,9 +44,11 @@ def compile_routed(path: str, gm, example_inputs, opts: KwkerOptions):
     fastest of Inductor, eager, kwker's plan and frozen Inductor), or its
     rewritten ATen graph is run eagerly (inner="eager") or compiled by Inductor
     (inner="inductor"); a training graph is tuned (Inductor or eager, forward
-    and backward timed), or run eagerly (inner="eager"); everything else goes to
-    Inductor unchanged."""
+    and backward timed), or run eagerly (inner="eager"); a graph routed to eager
+    (forward-mode AD) runs eagerly; everything else goes to Inductor unchanged."""
     detail = {}
+    if path == "eager":
+        return "eager", gm, detail
     if path == "decode" and opts.inner != "inductor":
         try:
             plan, detail = compile_decode_step(gm, example_inputs, glue=opts.glue)

@@ -14,7 +14,7 @@ KERNEL_FLOAT_DTYPES = frozenset({torch.float32, torch.bfloat16})
 
 @dataclass(frozen=True)
 class Route:
-    path: str  # "inductor-unchanged", "inductor", "decode", "cpu-inference" or "training"
+    path: str  # "inductor-unchanged", "inductor", "eager", "decode", "cpu-inference" or "training"
     reason: str
 
 
@@ -27,6 +27,31 @@ def graph_devices(gm: torch.fx.GraphModule, example_inputs) -> set[str]:
         if isinstance(val, torch.Tensor):
             devices.add(val.device.type)
     return devices
+
+
+def _torch_function_of(cls):
+    return getattr(cls.__torch_function__, "__func__", cls.__torch_function__)
+
+
+# What a tensor's class may have as __torch_function__ for Dynamo's graph, run
+# again on it, to compute what eager did: Tensor's (a plain subclass's outputs
+# only keep their class) or none (Parameter, Buffer).
+_PLAIN_TORCH_FUNCTIONS = (_torch_function_of(torch.Tensor), torch._C._disabled_torch_function_impl)
+
+
+def overriding_torch_function(gm: torch.fx.GraphModule, example_inputs) -> str | None:
+    """The name of the class of an input or constant that has a
+    __torch_function__ of its own, or None. Dynamo traced what it did into the
+    graph: run again on such a tensor (eager as a candidate, and as the truth
+    the tuning checks against) the graph applies it a second time."""
+    tensors = [*(x for x in example_inputs if isinstance(x, torch.Tensor)), *gm.state_dict().values()]
+    return next((type(t).__name__ for t in tensors if _torch_function_of(type(t)) not in _PLAIN_TORCH_FUNCTIONS), None)
+
+
+def forward_ad_dual(example_inputs) -> bool:
+    """An input is a dual tensor of forward-mode AD at the caller's dual level."""
+    return any(isinstance(x, torch.Tensor) and torch.autograd.forward_ad.unpack_dual(x).tangent is not None
+               for x in example_inputs)
 
 
 def symbolic_tensor(example_inputs) -> bool:
@@ -48,6 +73,13 @@ def route_graph(gm: torch.fx.GraphModule, example_inputs, grad_enabled: bool = F
     elsewhere = sorted(graph_devices(gm, example_inputs) - {"cpu"})
     if elsewhere:
         return Route("inductor-unchanged", f"tensors on {', '.join(elsewhere)}: kwker's kernels are CPU-only")
+    overriding = overriding_torch_function(gm, example_inputs)
+    if overriding:
+        return Route("inductor-unchanged", f"a {overriding} overrides __torch_function__, which Dynamo traced into "
+                                           "the graph: run again on it (eager, the tuning's check) it applies twice")
+    if forward_ad_dual(example_inputs):
+        return Route("eager", "a dual tensor of forward-mode AD: Dynamo's graph run eagerly carries its tangent, "
+                              "which compiled kernels drop")
     dynamic = Route("inductor", "dynamic shapes: kwker's rewrites, plans and timings need static shapes")
     if grad_enabled and any(isinstance(x, torch.Tensor) and x.requires_grad for x in example_inputs):
         if symbolic_tensor(example_inputs) or size_inputs(example_inputs):

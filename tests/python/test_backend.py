@@ -158,6 +158,66 @@ def test_a_model_on_the_meta_device_compiles_as_with_stock_inductor():
         assert (out.device.type, out.shape, out.requires_grad) == ("meta", (4, 32), grad), backend
 
 
+class _AddsOneMore(torch.Tensor):
+    """A subclass whose add gives one more than Tensor's."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        out = super().__torch_function__(func, types, args, kwargs or {})
+        return out.as_subclass(torch.Tensor) + 1 if func in (torch.add, torch.Tensor.add) else out
+
+
+class _DoublesLinear(torch.nn.Parameter):
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        out = super().__torch_function__(func, types, args, kwargs or {})
+        return out * 2 if func is torch.nn.functional.linear else out
+
+
+def test_a_tensor_subclass_overriding_torch_function_gives_eagers_values():
+    """Dynamo traces what __torch_function__ does into the graph; the tuning ran
+    that graph again on the subclass inputs as its truth and as the eager
+    candidate, which applied it twice (outputs 8 off, kept, Inductor's right
+    ones left out as differing)."""
+    def fn(x):
+        return torch.add(x, 1).mul(2).sum(-1)
+
+    x = torch.arange(8.0).reshape(2, 4).as_subclass(_AddsOneMore)
+    linear = torch.nn.Linear(8, 3)
+    linear.weight = _DoublesLinear(linear.weight.detach())
+    x8 = torch.randn(4, 8)
+    with torch.no_grad():
+        expected = fn(x), linear(x8)
+        for _ in range(2):
+            torch._dynamo.reset()
+            got = torch.compile(fn, backend="kwker")(x), torch.compile(linear, backend="kwker")(x8)
+            for g, e in zip(got, expected):
+                torch.testing.assert_close(g.as_subclass(torch.Tensor), e.as_subclass(torch.Tensor))
+
+
+def test_forward_mode_ad_through_a_compiled_graph_carries_eagers_tangent():
+    """A dual tensor's graph runs eagerly: the tuning compared primals only and
+    kept kwker's plan, which dropped the tangent (stock Inductor raises here:
+    mm_out has no forward AD)."""
+    import torch.autograd.forward_ad as fwAD
+
+    w = torch.randn(8, 8)
+
+    def fn(x):
+        return torch.tanh(x @ w) * 2
+
+    x, tangent = torch.randn(4, 8), torch.randn(4, 8)
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend="kwker")
+    with fwAD.dual_level():
+        expected = fwAD.unpack_dual(fn(fwAD.make_dual(x, tangent)))
+        for _ in range(2):
+            got = fwAD.unpack_dual(compiled(fwAD.make_dual(x, tangent)))
+            assert got.tangent is not None
+            torch.testing.assert_close(got.primal, expected.primal)
+            torch.testing.assert_close(got.tangent, expected.tangent)
+
+
 def test_torch_logs_shows_what_kwker_chose_for_each_graph():
     code = "import torch\ntorch.compile(lambda x: x * 3, backend='kwker')(torch.randn(4))\n"
     result = run_python(code, TORCH_LOGS="kwker")
