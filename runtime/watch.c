@@ -4,9 +4,18 @@
  * The handler reads a fixed table of protected ranges without a lock (it may
  * run on any thread, at any time); writers change the table under table_lock.
  * An entry is free (never used), active (its pages are protected or were
- * re-opened by a fault), or retired (its watch is gone but its range is kept,
- * so that a fault that raced with the unprotecting still finds it and retries
- * instead of being taken for a crash). New watches take free entries first. */
+ * re-opened by a fault), or retired (its watch is gone but its range is kept
+ * for RETIRED_CLAIM_NS, so that a fault that raced with the unprotecting still
+ * finds it and retries instead of being taken for a crash). New watches take
+ * free entries first, and entries retired for longer than that.
+ *
+ * A fault is claimed only where the retry can succeed: an active range's
+ * faulting page is made writable (another mapping that took the place of a
+ * freed weight, a file opened read-only, cannot be: the fault is passed on, as
+ * it would be without kwker, instead of faulting again forever); a retired
+ * range's pages were made writable before it retired, and are not touched
+ * again (read-only memory mapped there later stays read-only: its fault is
+ * retried until the range stops being claimed, then passed on). */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <pthread.h>
@@ -16,11 +25,18 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "kw_watch.h"
 
 #define KW__WATCH_MAX 16384
+
+/* How long a retired range still claims faults: a fault taken before its pages
+ * were made writable reaches the handler as soon as its thread runs again, far
+ * sooner than this unless the machine stalls it; a write to read-only memory
+ * mapped there since spins this long before it ends the program. */
+#define RETIRED_CLAIM_NS 2000000000LL
 
 enum { ENTRY_FREE, ENTRY_ACTIVE, ENTRY_RETIRED };
 
@@ -29,6 +45,7 @@ typedef struct kw__region {
     atomic_int state;
     atomic_int changed;   /* a write faulted since the last arm */
     atomic_int protected; /* the pages are read-only right now */
+    _Atomic int64_t retired_at; /* CLOCK_MONOTONIC ns, when state became ENTRY_RETIRED */
 } kw__region;
 
 static kw__region regions[KW__WATCH_MAX];
@@ -54,6 +71,17 @@ static uintptr_t page_size(void) {
     return size;
 }
 
+static int64_t now_ns(void) { /* clock_gettime is async-signal-safe */
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000LL + t.tv_nsec;
+}
+
+/* A retired entry whose range no fault can still be racing for. */
+static int retired_long_ago(const kw__region *r, int64_t now) {
+    return atomic_load(&r->state) == ENTRY_RETIRED && now - atomic_load(&r->retired_at) >= RETIRED_CLAIM_NS;
+}
+
 /* ---- the handler ------------------------------------------------------------------- */
 
 /* Makes entry i's pages writable; any other entry whose pages overlap them was
@@ -71,18 +99,24 @@ static void reopen(int i) {
             atomic_store(&regions[j].changed, 1);
 }
 
-/* A write fault at a: 1 when a watched (or just retired) range holds it. */
+/* A write fault at a: 1 when a watched range holds it and its page is now
+ * writable, or a range retired in the last RETIRED_CLAIM_NS holds it. */
 static int claim(uintptr_t a) {
-    int found = 0;
+    int watched = 0, retired = 0;
     const int n = atomic_load(&n_used);
     for (int i = 0; i < n; i++) {
         kw__region *r = &regions[i];
-        if (atomic_load(&r->state) != ENTRY_FREE && a >= atomic_load(&r->lo) && a < atomic_load(&r->hi)) {
+        const int state = atomic_load(&r->state);
+        if (state == ENTRY_FREE || a < atomic_load(&r->lo) || a >= atomic_load(&r->hi)) continue;
+        if (state == ENTRY_ACTIVE) {
             reopen(i);
-            found = 1;
+            watched = 1;
+        } else if (!retired_long_ago(r, now_ns())) {
+            retired = 1;
         }
     }
-    return found;
+    const uintptr_t page = a / page_size() * page_size();
+    return (watched && mprotect((void *)page, page_size(), PROT_READ | PROT_WRITE) == 0) || retired;
 }
 
 /* A SIGSEGV that no fault sent: re-opens every protected range; 1 if there was one. */
@@ -158,12 +192,14 @@ int kw_watch_handler_check(void) {
 
 /* ---- watches ------------------------------------------------------------------------ */
 
-/* Called with table_lock held: a free entry, else a retired one, else -1. */
+/* Called with table_lock held: a free entry or one retired long ago, else a
+ * new one, else one retired lately, else -1. */
 static int take_entry(uintptr_t lo, uintptr_t hi) {
     int found = -1;
     const int n = atomic_load(&n_used);
+    const int64_t now = now_ns();
     for (int i = 0; i < n && found < 0; i++)
-        if (atomic_load(&regions[i].state) == ENTRY_FREE) found = i;
+        if (atomic_load(&regions[i].state) == ENTRY_FREE || retired_long_ago(&regions[i], now)) found = i;
     if (found < 0 && n < KW__WATCH_MAX) {
         found = n;
         atomic_store(&n_used, n + 1);
@@ -261,6 +297,7 @@ void kw_watch_free(kw_watch *w) {
         const uintptr_t lo = atomic_load(&r->lo), hi = atomic_load(&r->hi);
         mprotect((void *)lo, hi - lo, PROT_READ | PROT_WRITE);
         atomic_store(&r->protected, 0);
+        atomic_store(&r->retired_at, now_ns());
         atomic_store(&r->state, ENTRY_RETIRED);
         protect_others(w->entry, lo, hi);
         pthread_mutex_unlock(&table_lock);

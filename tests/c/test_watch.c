@@ -203,6 +203,56 @@ Test(watch, a_fault_that_is_not_a_watched_write_still_ends_the_program) {
     kw_watch_free(w);
 }
 
+/* A write to read-only memory mapped where a weight was (the weight freed and
+ * unmapped while watched, or after its watch was freed): the program must end
+ * as it would without kwker. kwker's handler used to claim the fault, fail to
+ * make the page writable and return, and the write faulted again forever. */
+static void expect_a_write_at_to_end_the_child(unsigned char *at) {
+    const pid_t child = fork();
+    cr_assert_geq(child, 0);
+    if (child == 0) {
+        dup2(open("/dev/null", O_WRONLY), 2); /* AddressSanitizer's report of the expected crash */
+        alarm(20); /* a loop ends by SIGALRM: not the status expected */
+        *(volatile unsigned char *)at = 1;
+        _exit(0);
+    }
+    int status;
+    cr_assert_eq(waitpid(child, &status, 0), child);
+    cr_expect(WIFSIGNALED(status) ? WTERMSIG(status) == SIGSEGV : WEXITSTATUS(status) != 0, "status %#x", status);
+}
+
+/* A read-only file mapped over page i of mem. */
+static unsigned char *read_only_file_over(unsigned char *mem, size_t i) {
+    char path[] = "/tmp/kw_watch_test_XXXXXX";
+    const int fd = mkstemp(path);
+    cr_assert_geq(fd, 0);
+    cr_assert_eq(ftruncate(fd, (off_t)page()), 0);
+    const int ro = open(path, O_RDONLY);
+    unlink(path);
+    close(fd);
+    unsigned char *at = mmap(mem + i * page(), page(), PROT_READ, MAP_SHARED | MAP_FIXED, ro, 0);
+    cr_assert_eq(at, mem + i * page());
+    close(ro);
+    return at;
+}
+
+Test(watch, a_write_to_a_read_only_file_mapped_into_a_watched_range_ends_the_program) {
+    unsigned char *mem = pages(4);
+    kw_watch *w = kw_watch_new(mem + 64, 3 * page());
+    cr_assert_not_null(w);
+    expect_a_write_at_to_end_the_child(read_only_file_over(mem, 2) + 8);
+    kw_watch_free(w);
+}
+
+Test(watch, a_write_to_read_only_memory_mapped_where_a_freed_watch_was_ends_the_program) {
+    unsigned char *mem = pages(4);
+    kw_watch_free(kw_watch_new(mem + 64, 3 * page()));
+    unsigned char *at = mmap(mem + 2 * page(), page(), PROT_READ, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0);
+    cr_assert_eq(at, mem + 2 * page());
+    expect_a_write_at_to_end_the_child(at + 8); /* after a spin of at most RETIRED_CLAIM_NS */
+    expect_a_write_at_to_end_the_child(read_only_file_over(mem, 1) + 8);
+}
+
 Test(watch, a_sigsegv_sent_by_raise_reopens_every_watch_and_the_program_goes_on) {
     unsigned char *mem = pages(4);
     kw_watch *w = kw_watch_new(mem + 64, 2 * page());
