@@ -29,23 +29,33 @@ def graph_devices(gm: torch.fx.GraphModule, example_inputs) -> set[str]:
     return devices
 
 
-def _torch_function_of(cls):
-    return getattr(cls.__torch_function__, "__func__", cls.__torch_function__)
+def _unbound(method):
+    return getattr(method, "__func__", method)
 
 
 # What a tensor's class may have as __torch_function__ for Dynamo's graph, run
 # again on it, to compute what eager did: Tensor's (a plain subclass's outputs
 # only keep their class) or none (Parameter, Buffer).
-_PLAIN_TORCH_FUNCTIONS = (_torch_function_of(torch.Tensor), torch._C._disabled_torch_function_impl)
+_PLAIN_TORCH_FUNCTIONS = (_unbound(torch.Tensor.__torch_function__), torch._C._disabled_torch_function_impl)
 
 
-def overriding_torch_function(gm: torch.fx.GraphModule, example_inputs) -> str | None:
-    """The name of the class of an input or constant that has a
-    __torch_function__ of its own, or None. Dynamo traced what it did into the
-    graph: run again on such a tensor (eager as a candidate, and as the truth
-    the tuning checks against) the graph applies it a second time."""
+def subclass_kwker_cannot_run(gm: torch.fx.GraphModule, example_inputs) -> str | None:
+    """Why an input or constant of the graph is of a tensor subclass kwker must
+    leave to Inductor, or None. One whose class has a __torch_function__ of its
+    own: Dynamo traced what it did into the graph, which run again on such a
+    tensor (eager as a candidate, and as the truth the tuning checks against)
+    applies it a second time. One with a __torch_dispatch__ (a wrapper subclass:
+    TwoTensor, a quantized weight): its values live in the tensors it wraps,
+    and it has no memory of its own for kwker's kernels to read."""
     tensors = [*(x for x in example_inputs if isinstance(x, torch.Tensor)), *gm.state_dict().values()]
-    return next((type(t).__name__ for t in tensors if _torch_function_of(type(t)) not in _PLAIN_TORCH_FUNCTIONS), None)
+    for t in tensors:
+        cls = type(t)
+        if _unbound(cls.__torch_function__) not in _PLAIN_TORCH_FUNCTIONS:
+            return (f"a {cls.__name__} overrides __torch_function__, which Dynamo traced into the graph: "
+                    "run again on it (eager, the tuning's check) it applies twice")
+        if _unbound(cls.__torch_dispatch__) is not _unbound(torch.Tensor.__torch_dispatch__):
+            return f"a {cls.__name__} has its own __torch_dispatch__: its values live in other tensors"
+    return None
 
 
 def forward_ad_dual(example_inputs) -> bool:
@@ -73,10 +83,9 @@ def route_graph(gm: torch.fx.GraphModule, example_inputs, grad_enabled: bool = F
     elsewhere = sorted(graph_devices(gm, example_inputs) - {"cpu"})
     if elsewhere:
         return Route("inductor-unchanged", f"tensors on {', '.join(elsewhere)}: kwker's kernels are CPU-only")
-    overriding = overriding_torch_function(gm, example_inputs)
-    if overriding:
-        return Route("inductor-unchanged", f"a {overriding} overrides __torch_function__, which Dynamo traced into "
-                                           "the graph: run again on it (eager, the tuning's check) it applies twice")
+    subclass = subclass_kwker_cannot_run(gm, example_inputs)
+    if subclass:
+        return Route("inductor-unchanged", subclass)
     if forward_ad_dual(example_inputs):
         return Route("eager", "a dual tensor of forward-mode AD: Dynamo's graph run eagerly carries its tangent, "
                               "which compiled kernels drop")

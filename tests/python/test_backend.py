@@ -195,6 +195,36 @@ def test_a_tensor_subclass_overriding_torch_function_gives_eagers_values():
                 torch.testing.assert_close(g.as_subclass(torch.Tensor), e.as_subclass(torch.Tensor))
 
 
+def test_a_wrapper_subclass_weight_goes_to_inductor_and_kwkers_native_code_refuses_it():
+    """A __torch_dispatch__ wrapper subclass (TwoTensor, a quantized weight) has
+    no memory of its own: kwker's native code read through its NULL data
+    pointer and the process died (SIGSEGV) where eager and Inductor run. Run in
+    a fresh interpreter, which such a crash would end."""
+    code = """
+import torch, kwker._C
+from torch.testing._internal.two_tensor import TwoTensor
+w = torch.randn(32, 64).bfloat16().float()
+two = TwoTensor(w, 2 * w)
+try:
+    kwker._C.bf16_exact(two)
+    raise SystemExit("bf16_exact read a tensor without memory")
+except kwker._C.PlanError as e:
+    assert "no memory of its own" in str(e), e
+linear = torch.nn.Linear(64, 32)
+linear.weight = torch.nn.Parameter(two)
+x = torch.randn(4, 64)
+with torch.no_grad():
+    expected = linear(x)
+    got = torch.compile(linear, backend="kwker")(x)
+torch.testing.assert_close(got.a, expected.a)
+torch.testing.assert_close(got.b, expected.b)
+print(kwker.summary.graphs()[-1].kind)
+"""
+    result = run_python(code)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == ["inductor-unchanged"], result.stdout
+
+
 def test_forward_mode_ad_through_a_compiled_graph_carries_eagers_tangent():
     """A dual tensor's graph runs eagerly: the tuning compared primals only and
     kept kwker's plan, which dropped the tangent (stock Inductor raises here:

@@ -128,6 +128,16 @@ PyObject *kw__int64_tuple(const int64_t *v, int n) {
 
 /* ---- reading a tensor ----------------------------------------------------------------- */
 
+/* Elements but no memory of its own: a wrapper subclass (TwoTensor, a quantized
+ * weight made with _make_wrapper_subclass), whose values live in the tensors it
+ * wraps. Its data pointer is NULL; nothing of kwker's may read through it. */
+static int storageless(const kw_tensor *t) {
+    if (t->data) return 0;
+    for (int d = 0; d < t->ndim; d++)
+        if (t->shape[d] == 0) return 0;
+    return 1;
+}
+
 /* Through its Python attributes: about 1 µs a tensor (each attribute of a
  * torch.nn.Parameter first looks for a __torch_function__ override). Also
  * where every error message comes from. */
@@ -158,7 +168,12 @@ static int tensor_read_python(PyObject *t, const char *what, kw_tensor *out) {
     if (!ptr) return -1;
     out->data = PyLong_AsVoidPtr(ptr);
     Py_DECREF(ptr);
-    return out->data == NULL && PyErr_Occurred() ? -1 : 0;
+    if (out->data == NULL && PyErr_Occurred()) return -1;
+    if (storageless(out)) {
+        kw__plan_error(KW_EINVAL, "%s has no memory of its own (a tensor subclass wrapping others?)", what);
+        return -1;
+    }
+    return 0;
 }
 
 /* Through PyTorch's stable C shim (torch/csrc/inductor/aoti_torch/c/shim.h, the
@@ -186,7 +201,8 @@ static struct {
     shim_get_i32_fn dtype, device_type;
 } shim;
 
-/* 0 on success; -1 when the shim cannot say (the Python path then decides). */
+/* 0 on success; -1 when the shim cannot say, or reads a tensor without memory
+ * of its own (the Python path then decides, or names the error). */
 static int tensor_read_shim(PyObject *t, kw_tensor *out) {
     void *h = (char *)t + shim.offset;
     int64_t ndim, *sizes, *strides;
@@ -201,7 +217,7 @@ static int tensor_read_shim(PyObject *t, kw_tensor *out) {
     out->ndim = (int)ndim;
     memcpy(out->shape, sizes, (size_t)ndim * sizeof *sizes);
     memcpy(out->stride, strides, (size_t)ndim * sizeof *strides);
-    return 0;
+    return storageless(out) ? -1 : 0;
 }
 
 int kw__tensor_read_quick(PyObject *t, kw_tensor *out) {
