@@ -17,7 +17,9 @@
  * with EFAULT instead of faulting, and so is loud, not silent.
  *
  * The handler passes every fault that is not a write to a watched page on to
- * the handler installed before it (or the default action). A SIGSEGV sent by
+ * the handler installed before it (or the default action), and so a write to
+ * a watched page that cannot be made writable (memory mapped read-only there
+ * since the weight was freed: the write would fault again forever). A SIGSEGV sent by
  * kill/raise rather than by a fault (Python's faulthandler, installed after
  * kwker, re-raises the fault that way once it has printed its dump) makes every
  * watch writable and changed, so the program goes on and copies are refreshed.

@@ -85,11 +85,12 @@ static int retired_long_ago(const kw__region *r, int64_t now) {
 /* ---- the handler ------------------------------------------------------------------- */
 
 /* Makes entry i's pages writable; any other entry whose pages overlap them was
- * re-opened too, so it is marked changed as well. */
-static void reopen(int i) {
+ * re-opened too, so it is marked changed as well. 0, or -1 where mprotect
+ * failed (part of the range no longer mapped, or mapped read-only from a file). */
+static int reopen(int i) {
     kw__region *r = &regions[i];
     const uintptr_t lo = atomic_load(&r->lo), hi = atomic_load(&r->hi);
-    mprotect((void *)lo, hi - lo, PROT_READ | PROT_WRITE);
+    const int rc = mprotect((void *)lo, hi - lo, PROT_READ | PROT_WRITE);
     atomic_store(&r->protected, 0);
     atomic_store(&r->changed, 1);
     const int n = atomic_load(&n_used);
@@ -97,26 +98,36 @@ static void reopen(int i) {
         if (j != i && atomic_load(&regions[j].state) == ENTRY_ACTIVE && atomic_load(&regions[j].lo) < hi &&
             atomic_load(&regions[j].hi) > lo)
             atomic_store(&regions[j].changed, 1);
+    return rc;
 }
 
-/* A write fault at a: 1 when a watched range holds it and its page is now
- * writable, or a range retired in the last RETIRED_CLAIM_NS holds it. */
+static int holds(const kw__region *r, uintptr_t a) {
+    return a >= atomic_load(&r->lo) && a < atomic_load(&r->hi);
+}
+
+/* A write fault at a: 1 when a watched range holds it and it is now writable
+ * (its page, or the whole range: a huge page cannot be opened a 4 KiB piece at
+ * a time), or a range retired in the last RETIRED_CLAIM_NS holds it. */
 static int claim(uintptr_t a) {
     int watched = 0, retired = 0;
     const int n = atomic_load(&n_used);
     for (int i = 0; i < n; i++) {
-        kw__region *r = &regions[i];
+        const kw__region *r = &regions[i];
         const int state = atomic_load(&r->state);
-        if (state == ENTRY_FREE || a < atomic_load(&r->lo) || a >= atomic_load(&r->hi)) continue;
-        if (state == ENTRY_ACTIVE) {
-            reopen(i);
+        if (state == ENTRY_ACTIVE && holds(r, a))
             watched = 1;
-        } else if (!retired_long_ago(r, now_ns())) {
+        else if (state == ENTRY_RETIRED && holds(r, a) && !retired_long_ago(r, now_ns()))
             retired = 1;
-        }
     }
+    if (!watched) return retired;
+    /* The page before the ranges: each reopen marks its range changed after
+     * opening it, so nothing the handler opens comes after the last mark. Opened
+     * after, it could undo a kw_watch_rearm made in between, unseen. */
     const uintptr_t page = a / page_size() * page_size();
-    return (watched && mprotect((void *)page, page_size(), PROT_READ | PROT_WRITE) == 0) || retired;
+    int open = mprotect((void *)page, page_size(), PROT_READ | PROT_WRITE) == 0;
+    for (int i = 0; i < n; i++)
+        if (atomic_load(&regions[i].state) == ENTRY_ACTIVE && holds(&regions[i], a)) open |= reopen(i) == 0;
+    return open || retired;
 }
 
 /* A SIGSEGV that no fault sent: re-opens every protected range; 1 if there was one. */
@@ -167,6 +178,7 @@ static void on_segv(int sig, siginfo_t *si, void *uc) {
 
 /* Called with table_lock held. */
 static int install(void) {
+    page_size(); /* read here, not first in the handler */
     struct sigaction sa, old;
     memset(&sa, 0, sizeof sa);
     sa.sa_sigaction = on_segv;
