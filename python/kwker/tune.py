@@ -170,7 +170,8 @@ class FirstCallServed:
     batch 8 in float32: 0.64 s of the 5.3 s tuning adds). Any other first
     call, and every later call, runs the candidate. An inference tensor has
     no version count to show it unchanged: with one among the inputs, the
-    first call runs too."""
+    first call runs too; so does one under inference mode, whose outputs are
+    inference tensors (Dynamo compiles, and the tuning ran, outside it)."""
 
     def __init__(self, fn: Callable, inputs: list, outputs):
         self.fn = fn
@@ -180,7 +181,8 @@ class FirstCallServed:
     def __call__(self, *args):
         if self._first is not None:
             (outputs, inputs), self._first = self._first, None
-            if len(args) == len(inputs) and all(a is x and _state(a) == state for a, (x, state) in zip(args, inputs)):
+            if not torch.is_inference_mode_enabled() and len(args) == len(inputs) and \
+                    all(a is x and _state(a) == state for a, (x, state) in zip(args, inputs)):
                 log.debug("first call: the tuning's outputs for these inputs, unchanged since")
                 return outputs
         return self.fn(*args)

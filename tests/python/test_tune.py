@@ -433,6 +433,9 @@ def test_the_first_call_gets_the_tunings_outputs_only_for_the_very_inputs_unchan
     with torch.inference_mode():  # no version count to show it unchanged
         y = torch.randn(3)
     assert FirstCallServed(choice.fn, [y, w], choice.outputs)(y, w) is not choice.outputs
+    served = FirstCallServed(choice.fn, [x, w], choice.outputs)
+    with torch.inference_mode():  # the tuning's outputs are not inference tensors
+        assert served(x, w) is not choice.outputs
     written = choose({"ref": counted("ref", 0.02)}, [x], "ref", written=[x])
     assert written.outputs is None  # a graph that writes its inputs must write them again
 
@@ -447,6 +450,14 @@ def test_torch_compiles_first_call_after_tuning_is_not_run_again(caplog):
         caplog.clear()
         torch.testing.assert_close(compiled(x), mlp(x), rtol=1e-4, atol=1e-5)
         assert "first call" not in caplog.text
+
+
+def test_a_first_call_under_inference_mode_returns_inference_tensors_as_eager():
+    mlp = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.LayerNorm(64), torch.nn.GELU()).eval()
+    x = torch.randn(8, 64)
+    with torch.inference_mode():
+        compiled = torch.compile(mlp, backend="kwker")
+        assert compiled(x).is_inference() and compiled(x).is_inference()  # the first call not served
 
 
 def writable(t: torch.Tensor) -> bool:
