@@ -264,7 +264,8 @@ def traced(gm: torch.fx.GraphModule, example_inputs):
 
 def compile_with_inductor(gm: torch.fx.GraphModule, example_inputs, opts: KwkerOptions, caches=True):
     """Inductor's compile of gm; with caches=False (tune_training's timed compile)
-    neither read from nor written to Inductor's FX-graph and AOTAutograd caches.
+    neither read from nor written to Inductor's FX-graph and AOTAutograd caches,
+    local or remote.
     Without the AOTAutograd cache too where two inputs share a storage: torch
     2.13's cache key leaves out which inputs overlap, so an entry compiled for
     views of one tensor was loaded for separate ones (AssertionError: wrong
@@ -274,7 +275,11 @@ def compile_with_inductor(gm: torch.fx.GraphModule, example_inputs, opts: KwkerO
     from torch._inductor.compile_fx import compile_fx
 
     shared = any(first != i for i, first in enumerate(first_over_storage(example_inputs)))
-    patches = dict(opts.inductor_patches) if caches else {**opts.inductor_patches, "fx_graph_cache": False}
+    patches = dict(opts.inductor_patches)
+    if not caches:
+        patches.update(fx_graph_cache=False, fx_graph_remote_cache=False)
     autograd_cache = torch._functorch.config.enable_autograd_cache and caches and not shared
-    with torch._functorch.config.patch(enable_autograd_cache=autograd_cache):
+    remote_autograd_cache = torch._functorch.config.enable_remote_autograd_cache and caches
+    with torch._functorch.config.patch(enable_autograd_cache=autograd_cache,
+                                       enable_remote_autograd_cache=remote_autograd_cache):
         return compile_fx(gm, example_inputs, config_patches=patches)

@@ -18,10 +18,14 @@ class Route:
     reason: str
 
 
+def held_tensors(gm: torch.fx.GraphModule, example_inputs) -> list[torch.Tensor]:
+    """The graph's tensor inputs and its constants."""
+    return [*(x for x in example_inputs if isinstance(x, torch.Tensor)), *gm.state_dict().values()]
+
+
 def graph_devices(gm: torch.fx.GraphModule, example_inputs) -> set[str]:
     """Device types of the graph's inputs, its constants and the values its nodes produce."""
-    devices = {t.device.type for t in example_inputs if isinstance(t, torch.Tensor)}
-    devices.update(t.device.type for t in gm.state_dict().values())
+    devices = {t.device.type for t in held_tensors(gm, example_inputs)}
     for node in gm.graph.nodes:
         val = node.meta.get("example_value", node.meta.get("val"))
         if isinstance(val, torch.Tensor):
@@ -35,7 +39,7 @@ def _unbound(method):
 
 # What a tensor's class may have as __torch_function__ for Dynamo's graph, run
 # again on it, to compute what eager did: Tensor's (a plain subclass's outputs
-# only keep their class) or none (Parameter, Buffer).
+# only keep their class) or none (Parameter's).
 _PLAIN_TORCH_FUNCTIONS = (_unbound(torch.Tensor.__torch_function__), torch._C._disabled_torch_function_impl)
 
 
@@ -45,16 +49,15 @@ def subclass_kwker_cannot_run(gm: torch.fx.GraphModule, example_inputs) -> str |
     own: Dynamo traced what it did into the graph, which run again on such a
     tensor (eager as a candidate, and as the truth the tuning checks against)
     applies it a second time. One with a __torch_dispatch__ (a wrapper subclass:
-    TwoTensor, a quantized weight): its values live in the tensors it wraps,
-    and it has no memory of its own for kwker's kernels to read."""
-    tensors = [*(x for x in example_inputs if isinstance(x, torch.Tensor)), *gm.state_dict().values()]
-    for t in tensors:
+    TwoTensor, a quantized weight, whose values live in the tensors it wraps; a
+    fake tensor): no memory of its own for kwker's kernels to read."""
+    for t in held_tensors(gm, example_inputs):
         cls = type(t)
         if _unbound(cls.__torch_function__) not in _PLAIN_TORCH_FUNCTIONS:
-            return (f"a {cls.__name__} overrides __torch_function__, which Dynamo traced into the graph: "
-                    "run again on it (eager, the tuning's check) it applies twice")
+            return (f"a tensor of class {cls.__name__} overrides __torch_function__, which Dynamo traced into the "
+                    "graph: run again on it (eager, the tuning's check) it applies twice")
         if _unbound(cls.__torch_dispatch__) is not _unbound(torch.Tensor.__torch_dispatch__):
-            return f"a {cls.__name__} has its own __torch_dispatch__: its values live in other tensors"
+            return f"a tensor of class {cls.__name__} has its own __torch_dispatch__: no memory for kwker's kernels"
     return None
 
 
