@@ -111,10 +111,14 @@ static void note_ignored(const char *name, int understood, const char *what) {
 }
 
 static void find_env_problems(void) {
+    char isas[96] = "one of", bytes[64];
+    for (int i = 0; i < KW_ISA_COUNT; i++)
+        snprintf(isas + strlen(isas), sizeof isas - strlen(isas), " %s%s", kw_isa_name((kw_isa)i),
+                 i + 1 < KW_ISA_COUNT ? "," : "");
+    snprintf(bytes, sizeof bytes, "a count of bytes from 0 to %d", PREFETCH_MAX_BYTES);
     const char *isa = getenv("KWKER_ISA");
-    note_ignored("KWKER_ISA", isa && isa_named(isa) >= 0, "one of scalar, avx2, avx512, avx512bf16, amx");
-    note_ignored("KWKER_PREFETCH", env_setting("KWKER_PREFETCH", PREFETCH_MAX_BYTES) >= 0,
-                 "a count of bytes from 0 to 1048576");
+    note_ignored("KWKER_ISA", isa && isa_named(isa) >= 0, isas);
+    note_ignored("KWKER_PREFETCH", env_setting("KWKER_PREFETCH", PREFETCH_MAX_BYTES) >= 0, bytes);
     note_ignored("KWKER_PREFETCH_L2", env_setting("KWKER_PREFETCH_L2", 1) >= 0, "0 or 1");
 }
 

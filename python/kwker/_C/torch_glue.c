@@ -132,10 +132,7 @@ PyObject *kw__int64_tuple(const int64_t *v, int n) {
  * weight made with _make_wrapper_subclass), whose values live in the tensors it
  * wraps. Its data pointer is NULL; nothing of kwker's may read through it. */
 static int storageless(const kw_tensor *t) {
-    if (t->data) return 0;
-    for (int d = 0; d < t->ndim; d++)
-        if (t->shape[d] == 0) return 0;
-    return 1;
+    return !t->data && kw_tensor_extent(t) != 0;
 }
 
 /* Through its Python attributes: about 1 µs a tensor (each attribute of a
