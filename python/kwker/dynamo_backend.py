@@ -129,7 +129,7 @@ def tune_inference(gm: torch.fx.GraphModule, example_inputs, opts: KwkerOptions)
     remember_unless_an_error(key, choice, choice.fallback)
     if choice.name == "frozen" and choice.fallback is not None:  # else Dynamo's graph, FrozenGraph's own
         choice.fn.fallback = choice.built[choice.fallback]
-    detail = {"candidates": choice.ms, "choice": choice.name, "left_out": choice.left_out}
+    detail = {"candidates": choice.ms, "choice": choice.name, "left_out": choice.left_out, "busy": choice.busy}
     if choice.name == "plan":
         detail.update(plan_detail, plan=choice.fn)
     served = choice.fn if choice.outputs is None else FirstCallServed(choice.fn, example_inputs, choice.outputs)
@@ -142,12 +142,25 @@ def remember_unless_an_error(key: str, choice, fallback: str | None):
     this graph): such an error may be the moment's (memory; a user's signal
     handler raising a timeout inside a candidate's compile, which the tuning
     cannot tell from the candidate's own failure), and a record would keep the
-    candidate out in every later process. That graph is tuned again there."""
+    candidate out in every later process. That graph is tuned again there; so
+    is one whose candidates ran while other processes kept the machine busy
+    (tune.BUSY_CPUS): their times were those processes' as much as their own.
+    The first such choice of a process is warned about."""
     erred = [name for name, e in choice.errors.items() if not isinstance(e, NotLowerable)]
     if erred:
         log.info("kwker: the choice is not remembered: %s left out by an error", ", ".join(erred))
         return
+    global _warned_busy
+    if choice.busy:
+        (log.info if _warned_busy else log.warning)(
+            "kwker: %s; the choice (%s) may not be the fastest on an idle machine and is not remembered",
+            choice.busy, choice.name)
+        _warned_busy = True
+        return
     choices.remember(key, choices.Record(choice.name, fallback, choice.ms))
+
+
+_warned_busy = False
 
 
 def _not_lowerable(why: str):
@@ -228,7 +241,8 @@ def tune_training(gm: torch.fx.GraphModule, example_inputs, opts: KwkerOptions):
     # create_graph=True (a second compile of the forward: the timed one is kept out of
     # Inductor's caches, see inductor_timed).
     kept = builders["inductor"]() if choice.name == "inductor" else choice.fn
-    return "training", kept, {"candidates": choice.ms, "choice": choice.name, "left_out": choice.left_out}
+    return "training", kept, {"candidates": choice.ms, "choice": choice.name, "left_out": choice.left_out,
+                              "busy": choice.busy}
 
 
 # The most bytes of written inputs that tuning keeps a copy of, to put back after each run.

@@ -23,6 +23,7 @@ class GraphReport:
     choice: str = ""  # the candidate kept
     recalled: bool = False  # the choice remembered from an earlier tuning (kwker.choices), built alone
     left_out: dict[str, str] = field(default_factory=dict)  # candidates not timed, and why
+    busy: str | None = None  # how busy other processes kept the machine while the candidates ran, if they did
     plan: object = None  # a replayed graph's plan, weakly: its last_call timings while it lives
 
     def __post_init__(self):
@@ -60,6 +61,7 @@ def format_report() -> str:
         if g.candidates:
             extra = ", ".join(f"{name} {ms:.3g} ms" for name, ms in g.candidates.items())
             extra += "".join(f"; {name} left out: {why}" for name, why in g.left_out.items())
+            extra += f"; not remembered: {g.busy}" if g.busy else ""
         elif g.fallback_ops:
             extra = ", ".join(f"{op} ×{n}" if n > 1 else op for op, n in Counter(g.fallback_ops).items())
         else:

@@ -20,6 +20,7 @@ import functools
 import gc
 import logging
 import math
+import os
 import signal
 import statistics
 import time
@@ -124,6 +125,12 @@ ABS_FLOOR = 1e-5  # torch.testing.assert_close's absolute tolerance for float32
 # with another, and not past EXACT_BYTES of float64 copies of the inputs.
 EXACT_MARGIN = 4.0
 EXACT_BYTES = 512 << 20
+# The machine was busy while the candidates ran when other processes used more than BUSY_CPUS of a CPU
+# meanwhile on average, and BUSY_MIN_CPU_S at least (/proc/stat counts in ticks of 10 ms). Another process on
+# the second vCPU made kwker's plan 10-50x slower (its barrier waits became context switches) and Inductor
+# was kept; such a choice is this process's, but is not remembered (kwker.choices) for the next. An idle VM's
+# other processes used under 1 % of a CPU.
+BUSY_CPUS, BUSY_MIN_CPU_S = 0.25, 0.05
 
 
 def output_tolerance(gm: torch.fx.GraphModule, example_inputs, tolerance: dict) -> dict:
@@ -159,6 +166,7 @@ class Choice:
     # writes its inputs: a call must write them again): see FirstCallServed.
     outputs: object = None
     errors: dict[str, Exception] = field(default_factory=dict)  # candidate -> what it raised, left out so
+    busy: str | None = None  # how busy other processes kept the machine while the candidates ran, if they did
 
 
 class FirstCallServed:
@@ -291,6 +299,7 @@ def choose(builders: dict[str, Callable[[], Callable]], inputs: list, reference:
             put_back()
 
     built, outputs, left_out, times, first, errors = {}, {}, {}, {}, {}, {}
+    load = _MachineLoad()
     reference_failure = None
 
     @functools.cache
@@ -314,7 +323,7 @@ def choose(builders: dict[str, Callable[[], Callable]], inputs: list, reference:
         nonlocal reference
         while True:
             try:
-                with _collector_paused():
+                with load.timing():
                     return measure()
             except _LaterRunFailed as failed:
                 if not_the_candidates(failed.error):
@@ -340,7 +349,7 @@ def choose(builders: dict[str, Callable[[], Callable]], inputs: list, reference:
         start = ran = time.perf_counter()
         try:
             fn = build()
-            with _collector_paused():
+            with load.timing():
                 ran = time.perf_counter()
                 outputs[name] = run_and_restore(fn)
                 first[name] = time.perf_counter() - ran
@@ -374,7 +383,8 @@ def choose(builders: dict[str, Callable[[], Callable]], inputs: list, reference:
     log.info("candidates (%s) %s: %s kept", how, ", ".join(f"{n} {t:.3f} ms" for n, t in ms.items()), best)
     rest = {n: t for n, t in ms.items() if n != best}
     fallback = _fastest(rest, reference) if best != reference and rest else None
-    return Choice(best, built[best], ms, left_out, fallback, built, None if saved else outputs[best], errors)
+    return Choice(best, built[best], ms, left_out, fallback, built, None if saved else outputs[best], errors,
+                  load.busy())
 
 
 class _LaterRunFailed(Exception):
@@ -398,6 +408,45 @@ def _collector_paused():
     finally:
         if was_enabled:
             gc.enable()
+
+
+class _MachineLoad:
+    """The seconds the candidates ran, and the CPU seconds other processes used
+    meanwhile: the machine's busy time (/proc/stat) less this process's threads'."""
+
+    def __init__(self):
+        self.seconds = self.others_cpu_s = 0.0
+
+    @contextlib.contextmanager
+    def timing(self):
+        with _collector_paused():
+            start, machine, own = time.perf_counter(), _machine_cpu_s(), _own_cpu_s()
+            try:
+                yield
+            finally:
+                self.seconds += time.perf_counter() - start
+                self.others_cpu_s += _machine_cpu_s() - machine - (_own_cpu_s() - own)
+
+    def busy(self) -> str | None:
+        """How busy, where other processes used more than BUSY_CPUS of a CPU (NaN, never busy, without /proc)."""
+        if not self.others_cpu_s > max(BUSY_MIN_CPU_S, BUSY_CPUS * self.seconds):
+            return None
+        return f"other processes used {self.others_cpu_s / self.seconds:.0%} of a CPU while the candidates ran"
+
+
+def _machine_cpu_s() -> float:
+    """CPU seconds every process has spent busy (not idle, waiting on a disk or taken by the host: steal)."""
+    try:
+        with open("/proc/stat") as f:
+            user, nice, system, _idle, _iowait, irq, softirq = map(int, f.readline().split()[1:8])
+    except (OSError, ValueError):
+        return math.nan
+    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
+
+
+def _own_cpu_s() -> float:
+    t = os.times()
+    return t.user + t.system
 
 
 def _fastest(ms: dict[str, float], reference: str) -> str:

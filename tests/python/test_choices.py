@@ -242,6 +242,27 @@ def test_a_choice_made_with_a_candidate_left_out_by_an_error_is_not_remembered(m
     assert graph.recalled
 
 
+def test_a_choice_timed_while_other_processes_kept_the_cpus_busy_is_not_remembered(caplog):
+    """Another process on the second vCPU made kwker's plan 10-50x slower in the
+    tuning and Inductor was kept: in every later process, had it been remembered."""
+    model, x = mlp(), torch.randn(512, 64)  # calls of a few ms: the timing's rounds run for tenths of a second
+    spinning = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count())]
+    try:
+        time.sleep(0.5)  # the spinners past their start
+        with torch.no_grad(), caplog.at_level(logging.INFO, logger="kwker"):  # warned once a process
+            out, graph = compile_and_run(model, x)
+    finally:
+        for p in spinning:
+            p.kill()
+            p.wait()
+    assert "other processes used" in graph.busy and records() == []
+    assert "is not remembered" in caplog.text and f"not remembered: {graph.busy}" in summary.format_report()
+    with torch.no_grad():
+        torch.testing.assert_close(out, model(x), rtol=1e-4, atol=1e-5)
+        _, graph = compile_and_run(model, x)
+    assert graph.busy is None and not graph.recalled and len(records()) == 1, graph.candidates
+
+
 @pytest.mark.parametrize("content", ["{not json", '{"choice": "plan", "unknown": 1}', '{"choice": "nonexistent"}',
                                      '{"choice": "eager", "candidates": "fast"}', "[1]",
                                      '{"choice": "eager", "candidates": {"eager": NaN}}',
