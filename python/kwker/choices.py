@@ -106,7 +106,7 @@ def recall(key_: str) -> Record | None:
         if len(text) > MAX_RECORD_BYTES:
             raise ValueError(f"over {MAX_RECORD_BYTES} bytes, which no record is")
         return _checked(Record(**json.loads(text)))
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # the latter: the folder is a file, which remember() names
         return None
     except (OSError, ValueError, TypeError, RecursionError, OverflowError) as e:  # Recursion: JSON nested too deep
         log.warning("kwker: the tuning choice in %s cannot be read (%s: %s); the graph is tuned again",
@@ -140,6 +140,8 @@ def remember(key_: str, record: Record) -> None:
         return
     written = None
     try:
+        if folder.exists() and not folder.is_dir():  # mkdir's own error says "File exists"
+            raise NotADirectoryError(f"{folder} is a file, not a folder")
         folder.mkdir(parents=True, exist_ok=True)
         written = folder / f".{key_}.{os.getpid()}.{threading.get_ident()}.tmp"  # this thread's alone
         with os.fdopen(os.open(written, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666), "w") as f:

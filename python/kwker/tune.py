@@ -125,11 +125,12 @@ ABS_FLOOR = 1e-5  # torch.testing.assert_close's absolute tolerance for float32
 # with another, and not past EXACT_BYTES of float64 copies of the inputs.
 EXACT_MARGIN = 4.0
 EXACT_BYTES = 512 << 20
-# The machine was busy while the candidates ran when other processes used more than BUSY_CPUS of a CPU
-# meanwhile on average, and BUSY_MIN_CPU_S at least (/proc/stat counts in ticks of 10 ms). Another process on
-# the second vCPU made kwker's plan 10-50x slower (its barrier waits became context switches) and Inductor
-# was kept; such a choice is this process's, but is not remembered (kwker.choices) for the next. An idle VM's
-# other processes used under 1 % of a CPU.
+# The machine was busy while the candidates ran when other processes took more than BUSY_CPUS of a CPU
+# meanwhile, on average, from the CPUs this process's threads needed (of those it may run on, what was
+# not spare: see _MachineLoad), and BUSY_MIN_CPU_S at least (/proc/stat counts in ticks of 10 ms). Another
+# process on the second vCPU made kwker's plan 10-50x slower (its barrier waits became context switches)
+# and Inductor was kept; such a choice is this process's, but is not remembered (kwker.choices) for the
+# next. An idle VM's other processes used under 1 % of a CPU.
 BUSY_CPUS, BUSY_MIN_CPU_S = 0.25, 0.05
 
 
@@ -412,36 +413,62 @@ def _collector_paused():
 
 class _MachineLoad:
     """The seconds the candidates ran, and the CPU seconds other processes used
-    meanwhile: the machine's busy time (/proc/stat) less this process's threads'."""
+    meanwhile on the CPUs this process may run on: their busy time (/proc/stat)
+    less this process's threads'. On a machine with more CPUs than this
+    process's threads, others may keep the rest busy: only what they took of
+    the CPUs its threads needed counts."""
 
     def __init__(self):
+        self.cpus = _process_cpus()
+        self.threads = min(torch.get_num_threads(), len(self.cpus))
         self.seconds = self.others_cpu_s = 0.0
 
     @contextlib.contextmanager
     def timing(self):
         with _collector_paused():
-            start, machine, own = time.perf_counter(), _machine_cpu_s(), _own_cpu_s()
+            start, cpus, own = time.perf_counter(), _busy_cpu_s(self.cpus), _own_cpu_s()
             try:
                 yield
             finally:
                 self.seconds += time.perf_counter() - start
-                self.others_cpu_s += _machine_cpu_s() - machine - (_own_cpu_s() - own)
+                self.others_cpu_s += _busy_cpu_s(self.cpus) - cpus - (_own_cpu_s() - own)
 
     def busy(self) -> str | None:
-        """How busy, where other processes used more than BUSY_CPUS of a CPU (NaN, never busy, without /proc)."""
-        if not self.others_cpu_s > max(BUSY_MIN_CPU_S, BUSY_CPUS * self.seconds):
+        """How busy, where other processes left this process's threads less than
+        1 - BUSY_CPUS of the free CPUs they needed (NaN, never busy, without /proc)."""
+        spare = len(self.cpus) - self.threads
+        if not self.others_cpu_s > max(BUSY_MIN_CPU_S, (spare + BUSY_CPUS) * self.seconds):
             return None
-        return f"other processes used {self.others_cpu_s / self.seconds:.0%} of a CPU while the candidates ran"
+        threads = f"{self.threads} thread" + "s" * (self.threads > 1)
+        return (f"other processes used {self.others_cpu_s / self.seconds:.0%} of a CPU (of the {len(self.cpus)} this "
+                f"process runs on, with {threads}) while the candidates ran")
 
 
-def _machine_cpu_s() -> float:
-    """CPU seconds every process has spent busy (not idle, waiting on a disk or taken by the host: steal)."""
+def _busy_cpu_s(cpus: list[int]) -> float:
+    """CPU seconds every process has spent busy on these CPUs (not idle, waiting
+    on a disk or taken by the host: steal)."""
+    wanted, total = {f"cpu{i}" for i in cpus}, 0
     try:
         with open("/proc/stat") as f:
-            user, nice, system, _idle, _iowait, irq, softirq = map(int, f.readline().split()[1:8])
+            for line in f:
+                name, *fields = line.split()
+                if name in wanted:
+                    user, nice, system, _idle, _iowait, irq, softirq = map(int, fields[:7])
+                    total += user + nice + system + irq + softirq
     except (OSError, ValueError):
         return math.nan
-    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def _process_cpus() -> list[int]:
+    """The CPUs any of this process's threads may run on: OMP_PROC_BIND=true pins
+    the main thread to one CPU and OpenMP's to the others."""
+    cpus = set(os.sched_getaffinity(0))
+    with contextlib.suppress(OSError):
+        for tid in os.listdir("/proc/self/task"):
+            with contextlib.suppress(OSError):  # a thread that ended meanwhile
+                cpus |= os.sched_getaffinity(int(tid))
+    return sorted(cpus)
 
 
 def _own_cpu_s() -> float:

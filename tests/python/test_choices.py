@@ -246,7 +246,8 @@ def test_a_choice_timed_while_other_processes_kept_the_cpus_busy_is_not_remember
     """Another process on the second vCPU made kwker's plan 10-50x slower in the
     tuning and Inductor was kept: in every later process, had it been remembered."""
     model, x = mlp(), torch.randn(512, 64)  # calls of a few ms: the timing's rounds run for tenths of a second
-    spinning = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count())]
+    cpus = len(os.sched_getaffinity(0))
+    spinning = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(cpus)]
     try:
         time.sleep(0.5)  # the spinners past their start
         with torch.no_grad(), caplog.at_level(logging.INFO, logger="kwker"):  # warned once a process
@@ -308,6 +309,19 @@ def test_a_choice_that_cannot_be_written_on_a_read_only_disk_is_not_remembered(m
     with caplog.at_level(logging.WARNING, logger="kwker"):
         choices.remember("a-key", choices.Record("eager", None, {"eager": 1.0}))
     assert "could not be written" in caplog.text and records() == []
+
+
+def test_a_cache_folder_that_is_a_file_is_named_so_once_a_graph(tmp_path, monkeypatch, caplog):
+    """It was warned about twice a graph, first as a record that cannot be read
+    (NotADirectoryError), then as a write that failed with "File exists"."""
+    (tmp_path / "kwker").write_text("")
+    monkeypatch.setenv("KWKER_CACHE_DIR", str(tmp_path / "kwker"))
+    model, x = mlp(), torch.randn(8, 64)
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="kwker"):
+        out, graph = compile_and_run(model, x)
+    (message,) = [r.getMessage() for r in caplog.records if "tuning choice" in r.getMessage()]
+    assert "is a file, not a folder" in message and graph.kind == "tuned"
+    torch.testing.assert_close(out, model(x), rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("umask", [0o022, 0o077])

@@ -4,6 +4,9 @@ import copy
 import functools
 import gc
 import logging
+import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -174,6 +177,42 @@ def test_candidates_run_with_the_garbage_collector_paused_and_it_is_left_as_it_w
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs a CPU to spare")
+def test_other_processes_make_the_machine_busy_where_they_take_the_cpus_this_processs_threads_need():
+    """A process busy on a CPU this process's threads do not need (one thread, two
+    CPUs) leaves the timing as on an idle machine; with two threads it does not."""
+    cpu = max(os.sched_getaffinity(0))
+    spin = f"import os\nos.sched_setaffinity(0, {{{cpu}}})\nwhile True: pass"
+    spinner = subprocess.Popen([sys.executable, "-c", spin])
+    threads = torch.get_num_threads()
+    try:
+        time.sleep(0.3)  # past its start
+        busy = {}
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            load = kwker.tune._MachineLoad()
+            with load.timing():
+                time.sleep(1.0)
+            busy[n] = load.busy()
+    finally:
+        torch.set_num_threads(threads)
+        spinner.kill()
+        spinner.wait()
+    assert busy[1] is None and busy[2].startswith("other processes used"), busy
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to bind threads to")
+def test_the_load_is_counted_on_every_cpu_a_thread_of_this_process_runs_on():
+    """OMP_PROC_BIND=true pins the main thread to one CPU: counted there alone,
+    another process busy on the other CPU, where OpenMP's thread runs, went unseen."""
+    program = ("import os, torch\nfrom kwker import tune\ntorch.randn(256, 256) @ torch.randn(256, 256)\n"
+               "print(sorted(os.sched_getaffinity(0)), tune._MachineLoad().cpus)")
+    env = dict(os.environ, OMP_PROC_BIND="true", OMP_NUM_THREADS=str(len(os.sched_getaffinity(0))))
+    out = subprocess.run([sys.executable, "-c", program], env=env, capture_output=True, text=True, check=True)
+    main_thread, process = out.stdout.strip().splitlines()[-1].split("] ")
+    assert len(main_thread.split(",")) == 1 and process == str(sorted(os.sched_getaffinity(0))), out.stdout
 
 
 def test_a_gate_sees_steady_times_and_its_candidate_is_not_built_when_it_says_why():
