@@ -17,13 +17,14 @@ their get_attr nodes read; each input's type, dtype, shape, strides, whether
 it requires grad and which inputs share its storage; whether each float32
 parameter is exactly bf16-valued (kwker's plan then reads bf16 copies, at half
 the bytes); grad mode, inference
-mode, autocast and float32 matmul precision; kwker's options and Inductor's
+mode, autocast and the precision float32 may be computed in (oneDNN's fp32_precision
+settings, which set_float32_matmul_precision sets); kwker's options and Inductor's
 config; the CPU (its model name, kwker's ISA, the threads, the preloaded
 allocator); and the versions of torch and of kwker's own code (its files,
 hashed). What differs in none of these (the weights' values otherwise, the
 inputs' values) reuses the choice, as timing on one call's inputs did; a
-choice is not checked again, nor timed (a busy machine's choice stays until
-its record is deleted).
+choice is not checked again, nor timed. So a choice timed while other
+processes kept the CPUs busy is not written (dynamo_backend.remember_unless_an_error).
 
 The records live in KWKER_CACHE_DIR, by default a "kwker" folder beside
 Inductor's (torch._inductor.runtime.cache_dir_utils.cache_dir()); what turns
@@ -47,6 +48,7 @@ import torch
 
 from kwker.lower import first_over_storage
 from kwker.options import KwkerOptions
+from kwker.tune import fp32_precision_settings
 from kwker.weights import is_bf16_valued
 
 log = logging.getLogger(__name__)
@@ -175,7 +177,7 @@ def _attribute(module: torch.nn.Module, target: str):
 def _modes() -> str:
     return (f"grad {torch.is_grad_enabled()}, inference {torch.is_inference_mode_enabled()}, "
             f"autocast {torch.is_autocast_enabled('cpu')} {torch.get_autocast_dtype('cpu')}, "
-            f"matmul {torch.get_float32_matmul_precision()}")
+            f"float32 precision {fp32_precision_settings()}")
 
 
 def _describe(x) -> str:

@@ -143,13 +143,37 @@ def output_tolerance(gm: torch.fx.GraphModule, example_inputs, tolerance: dict) 
     or inside it (a small Llama's float32 logits of bf16 products: 1.8e-3,
     where float32's 1e-4 left a right Inductor out; a part where the graph
     turns autocast off again still counts: which outputs it feeds is not
-    followed)."""
+    followed); and where PyTorch may compute float32 matmuls, convolutions
+    or RNNs in a lower precision (`torch.set_float32_matmul_precision("medium")`:
+    eager's float32 linears in bf16 on oneDNN, 2.4e-3 from float64 against
+    2.9e-7, where float32's 1e-4 left Inductor, 3.6e-4 from eager, and kwker's
+    plan, which computes in float32, out of a small Llama's prefill)."""
     lower = {x.dtype for x in example_inputs if isinstance(x, torch.Tensor) and x.is_floating_point()}
     lower |= {torch.get_autocast_dtype("cpu")} if torch.is_autocast_enabled("cpu") else set()
+    lower |= float32_computed_as()
     lower |= {n.args[1] or torch.get_autocast_dtype("cpu") for n in gm.graph.nodes  # None: autocast's default
               if n.target is torch.amp.autocast_mode._enter_autocast and n.args[0] == "cpu" and n.args[2]}
     widest = max((tolerance.get(dtype, 0.0) for dtype in lower), default=0.0)
     return {dtype: max(tol, widest) for dtype, tol in tolerance.items()}
+
+
+# What oneDNN's float32 precision settings let PyTorch compute float32 in: TF32 keeps float16's 10 bits.
+FP32_PRECISION_DTYPES = {"bf16": torch.bfloat16, "tf32": torch.float16}
+
+
+def fp32_precision_settings() -> tuple[str, ...]:
+    """The precision PyTorch may compute float32 in on the CPU: oneDNN's settings
+    (torch.backends.mkldnn's fp32_precision, for all ops and for matmuls,
+    convolutions and RNNs), which set_float32_matmul_precision sets for matmuls.
+    Read here, not by torch.get_float32_matmul_precision(), which raises once a
+    program has set these."""
+    mkldnn = torch.backends.mkldnn
+    return (mkldnn.fp32_precision, mkldnn.matmul.fp32_precision, mkldnn.conv.fp32_precision, mkldnn.rnn.fp32_precision)
+
+
+def float32_computed_as() -> set[torch.dtype]:
+    """The dtypes PyTorch may compute float32 matmuls, convolutions and RNNs in on the CPU."""
+    return {FP32_PRECISION_DTYPES[s] for s in fp32_precision_settings() if s in FP32_PRECISION_DTYPES}
 
 
 @dataclass
@@ -598,9 +622,12 @@ def _in_float64(run: Callable[[Callable, list], list], fn: Callable, inputs: lis
         return None
     wide = [x.detach().to(torch.float64, copy=True).requires_grad_(x.requires_grad)
             if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in inputs]
+    # A GraphModule's __call__ prints the failing line of its code to stderr before it raises: this
+    # run may fail (a float32 buffer the graph writes: a static cache), and the log says so.
+    direct = fn.forward if isinstance(fn, torch.fx.GraphModule) else fn
     try:
         with _collector_paused():
-            return _flat_tensors(run(fn, wide))
+            return _flat_tensors(run(direct, wide))
     except Exception as e:  # noqa: BLE001 - no second opinion then: the tolerance alone decides
         log.info("the truth's run in float64 failed (%s: %s)", type(e).__name__, e)
         return None

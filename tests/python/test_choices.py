@@ -116,6 +116,13 @@ def test_the_key_changes_with_what_the_choice_rests_on():
         assert choices.key("inference", gm, example_inputs, opts) != base
     with torch._inductor.config.patch(freezing=True):
         assert choices.key("inference", gm, example_inputs, opts) != base
+    conv = torch.backends.mkldnn.conv
+    before = conv.fp32_precision
+    try:  # set by the new API, under which torch.get_float32_matmul_precision() raises: the key was a crash
+        conv.fp32_precision = "bf16"
+        assert choices.key("inference", gm, example_inputs, opts) != base
+    finally:
+        conv.fp32_precision = before
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(threads + 1)

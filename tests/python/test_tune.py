@@ -15,7 +15,7 @@ import torch
 import kwker
 import kwker.tune
 from kwker import summary
-from kwker.tune import MARGIN, TRAINING_TOLERANCE, FirstCallServed, ForwardAndBackward, choose
+from kwker.tune import MARGIN, TRAINING_TOLERANCE, FirstCallServed, ForwardAndBackward, call, choose
 from kwker.weights import HUGE_PAGES_BELOW_ROWS
 
 pytestmark = pytest.mark.usefixtures("fresh_compile_state")
@@ -1528,6 +1528,50 @@ def test_autocast_entered_inside_the_graph_without_a_dtype_widens_the_tolerance_
 
     torch.compile(product, backend=capture)(torch.randn(4, 4), torch.randn(4, 4))
     assert output_tolerance(*graphs[0], TOLERANCE)[torch.float32] == TOLERANCE[torch.bfloat16]
+
+
+def test_float32_computed_in_bf16_by_the_users_precision_setting_is_checked_at_bf16s_tolerance():
+    """set_float32_matmul_precision("medium"): eager's float32 linears ran in
+    bf16 on oneDNN, and float32's 1e-4 left Inductor (3.6e-4 from eager) and
+    kwker's plan (which computes in float32) out of a small Llama's prefill.
+    Set here by the newer API, under which torch.get_float32_matmul_precision()
+    raises (kwker's compile did)."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.GELU(), torch.nn.Linear(256, 64)).eval()
+    x = torch.randn(16, 256)
+    matmul = torch.backends.mkldnn.matmul
+    before = matmul.fp32_precision
+    matmul.fp32_precision = "bf16"
+    try:
+        with torch.no_grad():
+            want, exact = net(x), net.double()(x.double())
+            net.float()
+            assert (want - exact).norm() / exact.norm() > 1e-3  # the setting took: eager is that far
+            got = torch.compile(net, backend="kwker")(x)
+    finally:
+        matmul.fp32_precision = before
+    torch.testing.assert_close(got, want, rtol=3e-2, atol=3e-2)
+    (graph,) = summary.graphs()
+    assert graph.left_out == {} and "inductor" in graph.candidates, kwker.report()
+
+
+def test_a_failing_float64_run_of_a_graph_module_prints_nothing(capfd):
+    """torch.fx's GraphModule prints the failing line of its code to stderr
+    before it raises: kwker's float64 run, which may fail (a float32 buffer
+    written: a static cache), printed a traceback where nothing went wrong."""
+    from kwker.tune import _in_float64
+
+    class WritesAFloat32Buffer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("cache", torch.zeros(4, 3))
+
+        def forward(self, x):
+            return self.cache.index_copy_(0, torch.tensor([1]), x)
+
+    gm = torch.fx.symbolic_trace(WritesAFloat32Buffer())
+    assert _in_float64(call, gm, [torch.ones(1, 3)]) is None
+    assert capfd.readouterr().err == ""
 
 
 class _Float32WeightOverBf16Norm(torch.nn.Module):
