@@ -15,15 +15,16 @@
  * K (K = 100: a step of 4) uses tiles configured that short; K must be even.
  *
  * f32 activations are split exactly into three bf16 parts, x = x1 + x2 + x3
- * (x1 = bf16(x), x2 = bf16(x - x1), x3 = bf16(x - x1 - x2): 24 bits of
- * significand in three pieces of 8), and each part gets its own B tiles, all
+ * (x1 = x's top 8 bits of significand, cut, x2 the top 8 of x - x1, x3 the
+ * rest: 24 bits in three pieces of 8), and each part gets its own B tiles, all
  * summed into the same tile: every product of a bf16 weight with a part is
  * exact in f32, so the result is the f32 linear's up to summation order, as
- * with the AVX-512 kernel's widened weights. An infinite x is its first part
- * (the rest zero); a finite x above bf16's largest value (3.39e38) rounds to an
- * infinite part, and its row's outputs are NaN. So is an infinite weight's
- * output where the f32 linear gives ±inf: a part of x that is zero (every
- * part past the first of a bf16-valued x) times it is NaN in the tile product.
+ * with the AVX-512 kernel's widened weights. Cut, not rounded: a finite x
+ * above bf16's largest value (3.39e38) rounded to an infinite part, and its
+ * row's outputs were NaN. An infinite x is its first part (the rest zero). An
+ * infinite weight's output is NaN where the f32 linear gives ±inf: a part of x
+ * that is zero (every part past the first of a bf16-valued x) times it is NaN
+ * in the tile product.
  *
  * Each group of 16 weight rows (kw__lin_claim hands out whole groups, and every
  * output of linear_multi must be whole groups) is multiplied block of x after
@@ -41,6 +42,8 @@
  * zeros from about 3e-38, where the f32 linear keeps denormals: README). A thread loads the tile configuration when it lays out x for a
  * call and releases the tiles after its last rows (`done`), so its tile state is
  * never live between kernels. */
+#include <string.h>
+
 #include "amx.h"
 #include "linear.h"
 #include "simd.h"
@@ -105,22 +108,35 @@ static void configure_tiles(const kw__lin *g) {
     _tile_loadconfig(&cfg);
 }
 
-/* What is left of v once its top 8 bits are taken as a part: zero after an
- * infinite part (inf - inf would make the next parts NaN where the f32 linear
- * gives ±inf). */
+/* v's top 8 bits, the part of it a bf16 holds exactly: cut, not rounded, so
+ * that a finite v near float's largest never rounds up to infinity (a rounded
+ * part of 3.4e38 made every output of its row NaN where the f32 linear's are
+ * finite). A NaN stays NaN (a cut could leave a NaN with a low payload inf). */
+static inline kw_v top_part(kw_v v) {
+    const kw_v cut = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32((int)0xffff0000)));
+    return _mm512_mask_mov_ps(cut, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), v);
+}
+
+/* What is left of v once its top part is taken: exact, so three parts hold
+ * all 24 bits; zero after an infinite part (inf - inf would make the next
+ * parts NaN where the f32 linear gives ±inf). */
 static inline kw_v rest_after(kw_v v) {
-    const kw_v rest = _mm512_sub_ps(v, kw_v_round_to(v, KW_BF16));
+    const kw_v rest = _mm512_sub_ps(v, top_part(v));
     return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(rest, rest, _CMP_ORD_Q), rest);
 }
 
+/* The top parts of lo then hi as 32 bf16 (exact: kw__narrow_bf16 has nothing to round). */
+static inline __m512i top_parts(kw_v lo, kw_v hi) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(kw__narrow_bf16(top_part(lo))), kw__narrow_bf16(top_part(hi)), 1);
+}
+
 /* Part p of x's row from xrow (element k0 of it) over one step of 32 along K,
- * as 16 K pairs: bf16 x as stored, f32 x split as kw__f32_to_bf16 rounds. */
+ * as 16 K pairs: bf16 x as stored, f32 x split into top parts. */
 static inline __m512i row_pairs(const kw__lin *g, const char *xrow, int p) {
     if (g->xt == KW_BF16) return _mm512_loadu_si512(xrow);
     kw_v lo = kw_v_loadu((const float *)xrow), hi = kw_v_loadu((const float *)xrow + 16);
-    for (int q = 0; q < p; q++) /* exact: each part is the rest rounded to its top 8 bits */
-        lo = rest_after(lo), hi = rest_after(hi);
-    return _mm512_inserti64x4(_mm512_castsi256_si512(kw__narrow_bf16(lo)), kw__narrow_bf16(hi), 1);
+    for (int q = 0; q < p; q++) lo = rest_after(lo), hi = rest_after(hi);
+    return top_parts(lo, hi);
 }
 
 /* Block mb of x (16 rows, zeros past M), step s of K block kb: each part's 16
@@ -140,10 +156,12 @@ static void lay_out_block(const kw__lin *g, char *work, int64_t mb, int64_t kb, 
     }
 }
 
-/* The three bf16 parts of an f32 x, as rest_after splits a vector's. */
+/* The three bf16 parts of an f32 x, as top_part and rest_after split a vector's. */
 static inline void f32_parts(float x, uint16_t part[3]) {
     for (int p = 0; p < 3; p++) {
-        part[p] = kw__f32_to_bf16(x);
+        uint32_t bits;
+        memcpy(&bits, &x, sizeof bits);
+        part[p] = isnan(x) ? kw__f32_to_bf16(x) : (uint16_t)(bits >> 16);
         x -= kw__bf16_to_f32(part[p]);
         if (isnan(x)) x = 0; /* as rest_after */
     }
@@ -435,8 +453,7 @@ static void rows_of_x(const kw__lin *g, int64_t m0, char *into, const char *a[3]
                 if (k == 32) { /* the three parts in turn, as row_pairs splits them */
                     kw_v lo = kw_v_loadu((const float *)xrow + k0), hi = kw_v_loadu((const float *)xrow + k0 + 16);
                     for (int p = 0; p < 3; p++) {
-                        _mm512_storeu_si512(dst[p] + at, _mm512_inserti64x4(_mm512_castsi256_si512(kw__narrow_bf16(lo)),
-                                                                            kw__narrow_bf16(hi), 1));
+                        _mm512_storeu_si512(dst[p] + at, top_parts(lo, hi));
                         lo = rest_after(lo), hi = rest_after(hi);
                     }
                     continue;

@@ -302,6 +302,24 @@ Test(linear, infinite_f32_activations_give_infinite_outputs) {
     }
 }
 
+/* A finite activation near float's largest (3.4e38, above bf16's 3.39e38)
+ * gives the f32 linear's finite outputs: the AMX kernel's first part of it,
+ * rounded to bf16, was infinite, and every output of its row NaN. */
+Test(linear, f32_activations_near_floats_largest_give_finite_outputs) {
+    tt_rng r = {29};
+    static const int64_t Ms[] = {16, 20}, Ks[] = {100, 64}; /* narrow with a short step of K (4); wide */
+    for (int i = 0; i < 2; i++) {
+        const int64_t M = Ms[i], K = Ks[i], N = 32;
+        tt_case k = {0};
+        kw_tensor *x = tt_tensor(&k, 1, KW_F32, 2, TT_DIMS(M, K), NULL, -1, 1, &r);
+        tt_tensor(&k, 2, KW_BF16, 2, TT_DIMS(N, K), NULL, -0.5, 0.5, &r); /* products stay finite */
+        tt_tensor(&k, 0, KW_F32, 2, TT_DIMS(M, N), NULL, 0, 0, &r);
+        for (int64_t m = 0; m < M; m += 2) tt_set(x, (int64_t[]){m, (m * 7) % K}, m % 4 ? 3.4e38f : -3.4e38f);
+        tt_check_variants(KW_OP_LINEAR, &k, lin_tol(KW_F32, K), i ? "3.4e38 in x, wide tiles" : "3.4e38 in x, narrow tiles");
+        tt_free(&k);
+    }
+}
+
 /* Exactly representable sums: the reference must be exact, and so every variant. */
 Test(linear, reference_is_exact_on_exact_inputs) {
     static const float x[2][3] = {{0.5f, -1.25f, 3.0f}, {2.0f, 0.25f, -0.75f}};
