@@ -177,7 +177,7 @@ def _attribute(module: torch.nn.Module, target: str):
 def _modes() -> str:
     return (f"grad {torch.is_grad_enabled()}, inference {torch.is_inference_mode_enabled()}, "
             f"autocast {torch.is_autocast_enabled('cpu')} {torch.get_autocast_dtype('cpu')}, "
-            f"float32 precision {fp32_precision_settings()}")
+            f"float32 precision {sorted(fp32_precision_settings().items())}")
 
 
 def _describe(x) -> str:

@@ -18,7 +18,7 @@ from kwker.rewrite import rewrite_language_model
 from kwker.rewrite.match import why_run_only_as_called
 from kwker.routing import route_graph, size_inputs, unfit_for_kernels
 from kwker.threads import warn_once_if_openmp_spins
-from kwker.tune import (TOLERANCE, TRAINING_TOLERANCE, FirstCallServed, ForwardAndBackward, choose,
+from kwker.tune import (TOLERANCE, TRAINING_TOLERANCE, FirstCallServed, ForwardAndBackward, TruthFailed, choose,
                         not_the_candidates, output_tolerance)
 
 log = logging.getLogger(__name__)
@@ -124,8 +124,11 @@ def tune_inference(gm: torch.fx.GraphModule, example_inputs, opts: KwkerOptions)
         functools.partial(_not_lowerable, unfit)
     if not worth_freezing(aten_gm) or written:  # a written tensor is no constant
         del builders["frozen"]
-    choice = choose(builders, example_inputs, reference="inductor", truth="eager", written=written,
-                    tolerance=output_tolerance(gm, example_inputs, TOLERANCE), gates={"frozen": cannot_win})
+    try:
+        choice = choose(builders, example_inputs, reference="inductor", truth="eager", written=written,
+                        tolerance=output_tolerance(gm, example_inputs, TOLERANCE), gates={"frozen": cannot_win})
+    except TruthFailed as e:
+        return raised_run_eagerly(e, gm, example_inputs, opts)
     remember_unless_an_error(key, choice, choice.fallback)
     if choice.name == "frozen" and choice.fallback is not None:  # else Dynamo's graph, FrozenGraph's own
         choice.fn.fallback = choice.built[choice.fallback]
@@ -134,6 +137,18 @@ def tune_inference(gm: torch.fx.GraphModule, example_inputs, opts: KwkerOptions)
         detail.update(plan_detail, plan=choice.fn)
     served = choice.fn if choice.outputs is None else FirstCallServed(choice.fn, example_inputs, choice.outputs)
     return "tuned", served, detail
+
+
+def raised_run_eagerly(e: TruthFailed, gm: torch.fx.GraphModule, example_inputs, opts: KwkerOptions):
+    """The graph failed run eagerly on the call's inputs, as Inductor's did (a
+    user's error: a float32 input to a bf16 Linear): it goes to stock Inductor,
+    so that the call raises the error as eager and Inductor raise it. Raised
+    here, it was Dynamo's BackendCompilerFailed, which blamed kwker, and Dynamo
+    compiled the graph again at every call."""
+    why = f"the graph raised run eagerly on the first call's inputs ({e}); stock Inductor's graph raises it at " \
+          "the call, as eager does"
+    log.info("kwker: %s", why)
+    return "inductor", compile_with_inductor(gm, example_inputs, opts), {"why": why}
 
 
 def remember_unless_an_error(key: str, choice, fallback: str | None):
@@ -231,9 +246,12 @@ def tune_training(gm: torch.fx.GraphModule, example_inputs, opts: KwkerOptions):
         why_not = "a training graph whose inputs have gradient hooks, which timing runs would call: not timed"
     if why_not:
         return "inductor", compile_with_inductor(gm, example_inputs, opts), {"why": why_not}
-    choice = choose({**builders, "inductor": inductor_timed}, example_inputs, reference="inductor", truth="eager",
-                    run=ForwardAndBackward(), written=written,
-                    tolerance=output_tolerance(gm, example_inputs, TRAINING_TOLERANCE))
+    try:
+        choice = choose({**builders, "inductor": inductor_timed}, example_inputs, reference="inductor",
+                        truth="eager", run=ForwardAndBackward(), written=written,
+                        tolerance=output_tolerance(gm, example_inputs, TRAINING_TOLERANCE))
+    except TruthFailed as e:
+        return raised_run_eagerly(e, gm, example_inputs, opts)
     remember_unless_an_error(key, choice, None)
     # Inductor kept is compiled again as stock Inductor compiles it, its backward lazily: the
     # timed one's, compiled before any backward said whether it keeps the graph, takes

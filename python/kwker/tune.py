@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+from torch.fx._lazy_graph_module import _LazyGraphModule
 
 log = logging.getLogger(__name__)
 
@@ -150,30 +151,47 @@ def output_tolerance(gm: torch.fx.GraphModule, example_inputs, tolerance: dict) 
     plan, which computes in float32, out of a small Llama's prefill)."""
     lower = {x.dtype for x in example_inputs if isinstance(x, torch.Tensor) and x.is_floating_point()}
     lower |= {torch.get_autocast_dtype("cpu")} if torch.is_autocast_enabled("cpu") else set()
-    lower |= float32_computed_as()
+    lower |= float32_computed_as(gm)
     lower |= {n.args[1] or torch.get_autocast_dtype("cpu") for n in gm.graph.nodes  # None: autocast's default
               if n.target is torch.amp.autocast_mode._enter_autocast and n.args[0] == "cpu" and n.args[2]}
     widest = max((tolerance.get(dtype, 0.0) for dtype in lower), default=0.0)
     return {dtype: max(tol, widest) for dtype, tol in tolerance.items()}
 
 
-# What oneDNN's float32 precision settings let PyTorch compute float32 in: TF32 keeps float16's 10 bits.
-FP32_PRECISION_DTYPES = {"bf16": torch.bfloat16, "tf32": torch.float16}
+# What oneDNN's float32 precision settings let PyTorch compute float32 in, where the CPU can: TF32 (float16's
+# 10 bits) only with AMX-FP16; set_float32_matmul_precision("high") leaves float32 as it is elsewhere.
+FP32_PRECISION_DTYPES = {"bf16": (torch.bfloat16, lambda: torch.cpu._is_avx512_bf16_supported()
+                                  or torch.cpu._is_amx_tile_supported()),
+                         "tf32": (torch.float16, lambda: torch.cpu._is_amx_fp16_supported())}
+# The graph's ops each of oneDNN's settings is for (a Dynamo graph calls torch's functions and operators).
+FP32_PRECISION_OPS = {"matmul": lambda name: name in {"linear", "matmul", "mm", "bmm", "addmm", "baddbmm", "addbmm",
+                                                       "einsum", "bilinear", "tensordot"},
+                      "conv": lambda name: name.startswith("conv"),
+                      "rnn": lambda name: name in {"lstm", "gru", "rnn_tanh", "rnn_relu"}}
 
 
-def fp32_precision_settings() -> tuple[str, ...]:
-    """The precision PyTorch may compute float32 in on the CPU: oneDNN's settings
-    (torch.backends.mkldnn's fp32_precision, for all ops and for matmuls,
-    convolutions and RNNs), which set_float32_matmul_precision sets for matmuls.
-    Read here, not by torch.get_float32_matmul_precision(), which raises once a
-    program has set these."""
+def fp32_precision_settings() -> dict[str, str]:
+    """The precision PyTorch may compute float32 matmuls, convolutions and RNNs
+    in on the CPU: oneDNN's settings (torch.backends.mkldnn's fp32_precision,
+    each op's, "none" for the one of all ops, "none" there for IEEE's), which
+    set_float32_matmul_precision sets for matmuls. Read here, not by
+    torch.get_float32_matmul_precision(), which raises once a program has set
+    these."""
     mkldnn = torch.backends.mkldnn
-    return (mkldnn.fp32_precision, mkldnn.matmul.fp32_precision, mkldnn.conv.fp32_precision, mkldnn.rnn.fp32_precision)
+    every = mkldnn.fp32_precision if mkldnn.fp32_precision != "none" else "ieee"
+    return {op: getattr(mkldnn, op).fp32_precision.replace("none", every) for op in FP32_PRECISION_OPS}
 
 
-def float32_computed_as() -> set[torch.dtype]:
-    """The dtypes PyTorch may compute float32 matmuls, convolutions and RNNs in on the CPU."""
-    return {FP32_PRECISION_DTYPES[s] for s in fp32_precision_settings() if s in FP32_PRECISION_DTYPES}
+def float32_computed_as(gm: torch.fx.GraphModule) -> set[torch.dtype]:
+    """The dtypes PyTorch may compute gm's float32 matmuls, convolutions and RNNs in on this CPU."""
+    names = {getattr(n.target, "__name__", str(n.target)).lower() for n in gm.graph.nodes
+             if n.op in ("call_function", "call_method")}
+    found = set()
+    for op, setting in fp32_precision_settings().items():
+        dtype, supported = FP32_PRECISION_DTYPES.get(setting, (None, None))
+        if dtype is not None and supported() and any(map(FP32_PRECISION_OPS[op], names)):
+            found.add(dtype)
+    return found
 
 
 @dataclass
@@ -232,7 +250,18 @@ def _state(x) -> tuple | None:
 
 def call(fn: Callable, inputs: list):
     """An inference graph's run: what it returns."""
-    return fn(*inputs)
+    return quiet(fn)(*inputs)
+
+
+def quiet(fn: Callable) -> Callable:
+    """fn, or a GraphModule's forward: its __call__ prints the failing line of
+    its code to stderr before it raises, and a candidate's failure is the
+    tuning's to report (a user's error, where eager's run fails too, is raised
+    at the call, as eager raises it: see dynamo_backend)."""
+    if not isinstance(fn, torch.fx.GraphModule):
+        return fn
+    _LazyGraphModule.force_recompile(fn)  # a lazy one's forward calls __call__ until its code is made
+    return fn.forward
 
 
 class ForwardAndBackward:
@@ -259,7 +288,7 @@ class ForwardAndBackward:
         inputs = [x.detach().requires_grad_() if isinstance(x, torch.Tensor) and x.requires_grad else x
                   for x in inputs]
         leaves = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
-        outputs = _flat_tensors(fn(*inputs))
+        outputs = _flat_tensors(quiet(fn)(*inputs))
         roots = [t for t in outputs if isinstance(t, torch.Tensor) and t.requires_grad]
         weights = [self._signs(i, t.shape).to(t.dtype) for i, t in enumerate(roots)]
         grads = torch.autograd.grad(roots, leaves, weights, allow_unused=True) if roots and leaves else ()
@@ -283,9 +312,9 @@ def choose(builders: dict[str, Callable[[], Callable]], inputs: list, reference:
            tolerance: dict = TOLERANCE, gates: dict[str, Gate] | None = None) -> Choice:
     """builders: name -> a function that compiles that candidate and returns
     what to call. A candidate that fails to build or run is left out, logged;
-    the reference's failure propagates where there is no truth, or the truth
-    fails too. truth: the candidate whose outputs the others must give (the
-    reference when None, or when the truth itself fails).
+    the reference's failure propagates where there is no truth, and where the
+    truth fails too, TruthFailed. truth: the candidate whose outputs the others
+    must give (the reference when None, or when the truth itself fails).
     run: one timed run of a candidate (`call`, or a `ForwardAndBackward` with
     TRAINING_TOLERANCE as the tolerance).
     written: the inputs the graph writes in place, put back as they were after
@@ -387,7 +416,7 @@ def choose(builders: dict[str, Callable[[], Callable]], inputs: list, reference:
             left_out[name], errors[name] = f"{type(e).__name__}: {e}", e
         log.info("candidate %s built in %.2f s, run once in %.3f s", name, ran - start, time.perf_counter() - ran)
     if reference_failure is not None and truth not in built:
-        raise reference_failure
+        raise TruthFailed(errors[truth]) from errors[truth]
     truth = truth if truth in built else reference
     for name in list(built):
         why = _differs(outputs[name], outputs[truth], tolerance, truth, functools.partial(exact, truth)) \
@@ -410,6 +439,16 @@ def choose(builders: dict[str, Callable[[], Callable]], inputs: list, reference:
     fallback = _fastest(rest, reference) if best != reference and rest else None
     return Choice(best, built[best], ms, left_out, fallback, built, None if saved else outputs[best], errors,
                   load.busy())
+
+
+class TruthFailed(Exception):
+    """The truth's first run failed, and the reference's: the graph does not
+    run on these inputs (a user's error, which eager raises too). `error` is
+    the truth's."""
+
+    def __init__(self, error: Exception):
+        super().__init__(f"{type(error).__name__}: {error}")
+        self.error = error
 
 
 class _LaterRunFailed(Exception):
@@ -436,52 +475,61 @@ def _collector_paused():
 
 
 class _MachineLoad:
-    """The seconds the candidates ran, and the CPU seconds other processes used
-    meanwhile on the CPUs this process may run on: their busy time (/proc/stat)
-    less this process's threads'. On a machine with more CPUs than this
-    process's threads, others may keep the rest busy: only what they took of
-    the CPUs its threads needed counts."""
+    """The seconds the candidates ran, and the CPU seconds every CPU was busy
+    meanwhile, less this process's threads': other processes' use of the CPUs
+    it may run on. On a machine with more CPUs than this process's threads,
+    others may keep the rest busy: only what they took of the CPUs its threads
+    needed counts. Which CPUs those are is read at the end: OpenMP's threads,
+    which OMP_PROC_BIND pins to other CPUs than the main thread's, may start in
+    the first run."""
 
     def __init__(self):
-        self.cpus = _process_cpus()
-        self.threads = min(torch.get_num_threads(), len(self.cpus))
-        self.seconds = self.others_cpu_s = 0.0
+        self.seconds, self.own_cpu_s, self.windows = 0.0, 0.0, 0
+        self.cpu_s: dict[int, float] = {}  # busy seconds per CPU (NaN: no /proc/stat)
 
     @contextlib.contextmanager
     def timing(self):
         with _collector_paused():
-            start, cpus, own = time.perf_counter(), _busy_cpu_s(self.cpus), _own_cpu_s()
+            start, cpus, own = time.perf_counter(), _busy_cpu_s(), _own_cpu_s()
             try:
                 yield
             finally:
                 self.seconds += time.perf_counter() - start
-                self.others_cpu_s += _busy_cpu_s(self.cpus) - cpus - (_own_cpu_s() - own)
+                self.own_cpu_s += _own_cpu_s() - own
+                self.windows += 1
+                for cpu, busy in _busy_cpu_s().items():
+                    self.cpu_s[cpu] = self.cpu_s.get(cpu, 0.0) + busy - cpus.get(cpu, math.nan)
 
     def busy(self) -> str | None:
         """How busy, where other processes left this process's threads less than
-        1 - BUSY_CPUS of the free CPUs they needed (NaN, never busy, without /proc)."""
-        spare = len(self.cpus) - self.threads
-        if not self.others_cpu_s > max(BUSY_MIN_CPU_S, (spare + BUSY_CPUS) * self.seconds):
+        1 - BUSY_CPUS of the free CPUs they needed, and more than the counters'
+        rounding could give (each counter's difference may be a tick short or
+        over, in each window); never without /proc/stat."""
+        cpus = _process_cpus()
+        threads = min(torch.get_num_threads(), len(cpus))
+        others = sum(self.cpu_s.get(cpu, math.nan) for cpu in cpus) - self.own_cpu_s
+        rounding = (len(cpus) + 1) * self.windows / os.sysconf("SC_CLK_TCK")
+        spare = len(cpus) - threads
+        if not others > max(BUSY_MIN_CPU_S, rounding, (spare + BUSY_CPUS) * self.seconds):
             return None
-        threads = f"{self.threads} thread" + "s" * (self.threads > 1)
-        return (f"other processes used {self.others_cpu_s / self.seconds:.0%} of a CPU (of the {len(self.cpus)} this "
-                f"process runs on, with {threads}) while the candidates ran")
+        return (f"other processes used {others / self.seconds:.0%} of a CPU (of the {len(cpus)} this process runs on, "
+                f"with {threads} thread{'s' * (threads > 1)}) while the candidates ran")
 
 
-def _busy_cpu_s(cpus: list[int]) -> float:
-    """CPU seconds every process has spent busy on these CPUs (not idle, waiting
-    on a disk or taken by the host: steal)."""
-    wanted, total = {f"cpu{i}" for i in cpus}, 0
+def _busy_cpu_s() -> dict[int, float]:
+    """CPU seconds every process has spent busy on each CPU (not idle, waiting
+    on a disk or taken by the host: steal); empty without /proc/stat."""
+    busy = {}
     try:
         with open("/proc/stat") as f:
             for line in f:
                 name, *fields = line.split()
-                if name in wanted:
+                if name.startswith("cpu") and name[3:].isdigit():
                     user, nice, system, _idle, _iowait, irq, softirq = map(int, fields[:7])
-                    total += user + nice + system + irq + softirq
+                    busy[int(name[3:])] = (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError):
-        return math.nan
-    return total / os.sysconf("SC_CLK_TCK")
+        return {}
+    return busy
 
 
 def _process_cpus() -> list[int]:
@@ -622,12 +670,9 @@ def _in_float64(run: Callable[[Callable, list], list], fn: Callable, inputs: lis
         return None
     wide = [x.detach().to(torch.float64, copy=True).requires_grad_(x.requires_grad)
             if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in inputs]
-    # A GraphModule's __call__ prints the failing line of its code to stderr before it raises: this
-    # run may fail (a float32 buffer the graph writes: a static cache), and the log says so.
-    direct = fn.forward if isinstance(fn, torch.fx.GraphModule) else fn
-    try:
+    try:  # it may fail (a float32 buffer the graph writes: a static cache), quietly (see quiet)
         with _collector_paused():
-            return _flat_tensors(run(direct, wide))
+            return _flat_tensors(run(fn, wide))
     except Exception as e:  # noqa: BLE001 - no second opinion then: the tolerance alone decides
         log.info("the truth's run in float64 failed (%s: %s)", type(e).__name__, e)
         return None

@@ -330,3 +330,28 @@ def test_graphs_recorded_from_threads_at_once_each_get_their_own_index(monkeypat
     finally:
         sys.setswitchinterval(interval)
     assert sorted(g.index for g in summary.graphs()) == list(range(12000))
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["inference", "training"])
+def test_a_model_that_raises_run_eagerly_raises_eagers_error_at_every_call(grad, capfd):
+    """A float32 input to a bf16 Linear: eager and Inductor raise the op's
+    RuntimeError at the call. The tuning, whose truth raised, made it Dynamo's
+    BackendCompilerFailed, blaming kwker, Dynamo compiled again at every call,
+    and torch.fx printed the graph's failing line to stderr each time."""
+    from kwker import summary
+
+    torch.manual_seed(0)
+    lin, x = torch.nn.Linear(16, 16).to(torch.bfloat16), torch.randn(2, 16)
+    with pytest.raises(RuntimeError) as eager:
+        lin(x)
+    summary.clear()
+    torch._dynamo.reset()
+    compiled = torch.compile(lin, backend="kwker")
+    for _ in range(2):
+        with torch.set_grad_enabled(grad), pytest.raises(RuntimeError) as raised:
+            compiled(x)
+        assert type(raised.value) is RuntimeError and str(raised.value) == str(eager.value)
+    (graph,) = summary.graphs()
+    assert graph.kind == "inductor" and "raised run eagerly" in graph.why, kwker.report()
+    assert "FX-traced Module" not in capfd.readouterr().err
+    torch._dynamo.reset()

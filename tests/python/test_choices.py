@@ -116,13 +116,16 @@ def test_the_key_changes_with_what_the_choice_rests_on():
         assert choices.key("inference", gm, example_inputs, opts) != base
     with torch._inductor.config.patch(freezing=True):
         assert choices.key("inference", gm, example_inputs, opts) != base
-    conv = torch.backends.mkldnn.conv
-    before = conv.fp32_precision
+    conv, matmul = torch.backends.mkldnn.conv, torch.backends.mkldnn.matmul
+    before, matmul_before = conv.fp32_precision, matmul.fp32_precision
     try:  # set by the new API, under which torch.get_float32_matmul_precision() raises: the key was a crash
         conv.fp32_precision = "bf16"
         assert choices.key("inference", gm, example_inputs, opts) != base
-    finally:
         conv.fp32_precision = before
+        torch.set_float32_matmul_precision("highest")  # the default's arithmetic, which an unset "none" means
+        assert choices.key("inference", *captured_graph(mlp(), torch.randn(8, 64)), opts) == base
+    finally:
+        conv.fp32_precision, matmul.fp32_precision = before, matmul_before
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(threads + 1)
