@@ -8,6 +8,7 @@
  * in the last bits: rtol 2^-7 (one bf16 ulp). */
 #include <criterion/criterion.h>
 #include <math.h>
+#include <stdio.h>
 
 #include "kw_ops_impl.h"
 #include "linear.h"
@@ -283,41 +284,40 @@ Test(linear, amx_denormal_bf16_outputs_are_kept) {
     tt_free(&k);
 }
 
-/* Infinite activations give the f32 linear's ±inf (NaN under a zero weight):
- * the AMX kernel's split of an f32 x into bf16 parts must not turn inf - inf
- * into NaN parts. Narrow tiles (their short step of K laid out element by
- * element) and wide ones, and the AVX-512 kernels. */
-Test(linear, infinite_f32_activations_give_infinite_outputs) {
-    tt_rng r = {23};
+/* ±value at every other row of an f32 x over bf16 weights in [-w, w], in
+ * narrow tiles (their short step of K laid out element by element) and wide
+ * ones, and the AVX-512 kernels, against the reference. */
+static void check_extreme_activations(float value, double w, tt_rng *r, const char *what) {
     static const int64_t Ms[] = {16, 20}, Ks[] = {100, 64}; /* narrow with a short step of K (4); wide */
     for (int i = 0; i < 2; i++) {
         const int64_t M = Ms[i], K = Ks[i], N = 32;
         tt_case k = {0};
-        kw_tensor *x = tt_tensor(&k, 1, KW_F32, 2, TT_DIMS(M, K), NULL, -1, 1, &r);
-        tt_tensor(&k, 2, KW_BF16, 2, TT_DIMS(N, K), NULL, -1, 1, &r);
-        tt_tensor(&k, 0, KW_F32, 2, TT_DIMS(M, N), NULL, 0, 0, &r);
-        for (int64_t m = 0; m < M; m += 2) tt_set(x, (int64_t[]){m, (m * 7) % K}, m % 4 ? INFINITY : -INFINITY);
-        tt_check_variants(KW_OP_LINEAR, &k, lin_tol(KW_F32, K), i ? "inf in x, wide tiles" : "inf in x, narrow tiles");
+        kw_tensor *x = tt_tensor(&k, 1, KW_F32, 2, TT_DIMS(M, K), NULL, -1, 1, r);
+        tt_tensor(&k, 2, KW_BF16, 2, TT_DIMS(N, K), NULL, -w, w, r);
+        tt_tensor(&k, 0, KW_F32, 2, TT_DIMS(M, N), NULL, 0, 0, r);
+        for (int64_t m = 0; m < M; m += 2) tt_set(x, (int64_t[]){m, (m * 7) % K}, m % 4 ? value : -value);
+        char name[64];
+        snprintf(name, sizeof name, "%s in x, %s tiles", what, i ? "wide" : "narrow");
+        tt_check_variants(KW_OP_LINEAR, &k, lin_tol(KW_F32, K), name);
         tt_free(&k);
     }
 }
 
+/* Infinite activations give the f32 linear's ±inf (NaN under a zero weight):
+ * the AMX kernel's split of an f32 x into bf16 parts must not turn inf - inf
+ * into NaN parts. */
+Test(linear, infinite_f32_activations_give_infinite_outputs) {
+    tt_rng r = {23};
+    check_extreme_activations(INFINITY, 1, &r, "inf");
+}
+
 /* A finite activation near float's largest (3.4e38, above bf16's 3.39e38)
- * gives the f32 linear's finite outputs: the AMX kernel's first part of it,
- * rounded to bf16, was infinite, and every output of its row NaN. */
+ * gives the f32 linear's finite outputs (weights under 0.5: products stay
+ * finite): the AMX kernel's first part of it, rounded to bf16, was infinite,
+ * and every output of its row NaN. */
 Test(linear, f32_activations_near_floats_largest_give_finite_outputs) {
     tt_rng r = {29};
-    static const int64_t Ms[] = {16, 20}, Ks[] = {100, 64}; /* narrow with a short step of K (4); wide */
-    for (int i = 0; i < 2; i++) {
-        const int64_t M = Ms[i], K = Ks[i], N = 32;
-        tt_case k = {0};
-        kw_tensor *x = tt_tensor(&k, 1, KW_F32, 2, TT_DIMS(M, K), NULL, -1, 1, &r);
-        tt_tensor(&k, 2, KW_BF16, 2, TT_DIMS(N, K), NULL, -0.5, 0.5, &r); /* products stay finite */
-        tt_tensor(&k, 0, KW_F32, 2, TT_DIMS(M, N), NULL, 0, 0, &r);
-        for (int64_t m = 0; m < M; m += 2) tt_set(x, (int64_t[]){m, (m * 7) % K}, m % 4 ? 3.4e38f : -3.4e38f);
-        tt_check_variants(KW_OP_LINEAR, &k, lin_tol(KW_F32, K), i ? "3.4e38 in x, wide tiles" : "3.4e38 in x, narrow tiles");
-        tt_free(&k);
-    }
+    check_extreme_activations(3.4e38f, 0.5, &r, "3.4e38");
 }
 
 /* Exactly representable sums: the reference must be exact, and so every variant. */
