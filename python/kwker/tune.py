@@ -250,14 +250,16 @@ def _state(x) -> tuple | None:
 
 def call(fn: Callable, inputs: list):
     """An inference graph's run: what it returns."""
-    return quiet(fn)(*inputs)
+    return fn(*inputs)
 
 
 def quiet(fn: Callable) -> Callable:
     """fn, or a GraphModule's forward: its __call__ prints the failing line of
     its code to stderr before it raises, and a candidate's failure is the
     tuning's to report (a user's error, where eager's run fails too, is raised
-    at the call, as eager raises it: see dynamo_backend)."""
+    at the call, as eager raises it: see dynamo_backend). For the runs that
+    may fail, the first and the float64 one; the timed runs go through
+    __call__, as Dynamo's calls of a kept GraphModule do."""
     if not isinstance(fn, torch.fx.GraphModule):
         return fn
     _LazyGraphModule.force_recompile(fn)  # a lazy one's forward calls __call__ until its code is made
@@ -288,7 +290,7 @@ class ForwardAndBackward:
         inputs = [x.detach().requires_grad_() if isinstance(x, torch.Tensor) and x.requires_grad else x
                   for x in inputs]
         leaves = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
-        outputs = _flat_tensors(quiet(fn)(*inputs))
+        outputs = _flat_tensors(fn(*inputs))
         roots = [t for t in outputs if isinstance(t, torch.Tensor) and t.requires_grad]
         weights = [self._signs(i, t.shape).to(t.dtype) for i, t in enumerate(roots)]
         grads = torch.autograd.grad(roots, leaves, weights, allow_unused=True) if roots and leaves else ()
@@ -405,7 +407,7 @@ def choose(builders: dict[str, Callable[[], Callable]], inputs: list, reference:
             fn = build()
             with load.timing():
                 ran = time.perf_counter()
-                outputs[name] = run_and_restore(fn)
+                outputs[name] = run_and_restore(quiet(fn))
                 first[name] = time.perf_counter() - ran
             built[name] = fn
         except Exception as e:
@@ -519,17 +521,18 @@ class _MachineLoad:
 def _busy_cpu_s() -> dict[int, float]:
     """CPU seconds every process has spent busy on each CPU (not idle, waiting
     on a disk or taken by the host: steal); empty without /proc/stat."""
-    busy = {}
+    ticks = {}
     try:
         with open("/proc/stat") as f:
             for line in f:
                 name, *fields = line.split()
                 if name.startswith("cpu") and name[3:].isdigit():
                     user, nice, system, _idle, _iowait, irq, softirq = map(int, fields[:7])
-                    busy[int(name[3:])] = (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
+                    ticks[int(name[3:])] = user + nice + system + irq + softirq
     except (OSError, ValueError):
         return {}
-    return busy
+    tick_s = 1 / os.sysconf("SC_CLK_TCK")
+    return {cpu: n * tick_s for cpu, n in ticks.items()}
 
 
 def _process_cpus() -> list[int]:
@@ -672,7 +675,7 @@ def _in_float64(run: Callable[[Callable, list], list], fn: Callable, inputs: lis
             if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in inputs]
     try:  # it may fail (a float32 buffer the graph writes: a static cache), quietly (see quiet)
         with _collector_paused():
-            return _flat_tensors(run(fn, wide))
+            return _flat_tensors(run(quiet(fn), wide))
     except Exception as e:  # noqa: BLE001 - no second opinion then: the tolerance alone decides
         log.info("the truth's run in float64 failed (%s: %s)", type(e).__name__, e)
         return None
