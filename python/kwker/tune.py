@@ -492,14 +492,14 @@ class _MachineLoad:
     @contextlib.contextmanager
     def timing(self):
         with _collector_paused():
-            start, cpus, own = time.perf_counter(), _busy_cpu_s(), _own_cpu_s()
+            start, cpus, own = time.perf_counter(), busy_cpu_s(), _own_cpu_s()
             try:
                 yield
             finally:
                 self.seconds += time.perf_counter() - start
                 self.own_cpu_s += _own_cpu_s() - own
                 self.windows += 1
-                for cpu, busy in _busy_cpu_s().items():
+                for cpu, busy in busy_cpu_s().items():
                     self.cpu_s[cpu] = self.cpu_s.get(cpu, 0.0) + busy - cpus.get(cpu, math.nan)
 
     def busy(self) -> str | None:
@@ -518,7 +518,7 @@ class _MachineLoad:
                 f"with {threads} thread{'s' * (threads > 1)}) while the candidates ran")
 
 
-def _busy_cpu_s() -> dict[int, float]:
+def busy_cpu_s() -> dict[int, float]:
     """CPU seconds every process has spent busy on each CPU (not idle, waiting
     on a disk or taken by the host: steal); empty without /proc/stat."""
     ticks = {}
@@ -663,16 +663,27 @@ def _flat_tensors(out) -> list:
     return [out]
 
 
+def _as_real(x: torch.Tensor) -> torch.Tensor:
+    """A complex tensor as the float pairs it holds (a conjugate view's resolved)."""
+    return torch.view_as_real(x.resolve_conj())
+
+
+def _widened(x: torch.Tensor) -> torch.dtype | None:
+    """The dtype of x's copy in float64's run: float64 (complex128 for a complex
+    x); None for a tensor that stays as it is (integers, bools)."""
+    return torch.complex128 if x.is_complex() else torch.float64 if x.is_floating_point() else None
+
+
 def _in_float64(run: Callable[[Callable, list], list], fn: Callable, inputs: list) -> list | None:
-    """What run gives for fn on float64 copies of the floating inputs, flat
-    (None where that run fails: an op without float64; or where the copies
-    would take more than EXACT_BYTES)."""
-    floats = [x for x in inputs if isinstance(x, torch.Tensor) and x.is_floating_point()]
-    if sum(x.numel() for x in floats) * 8 > EXACT_BYTES:
+    """What run gives for fn on float64 copies of the floating (and complex)
+    inputs, flat (None where that run fails: an op without float64; or where
+    the copies would take more than EXACT_BYTES)."""
+    widened = [isinstance(x, torch.Tensor) and _widened(x) for x in inputs]
+    if sum(x.numel() * dtype.itemsize for x, dtype in zip(inputs, widened) if dtype) > EXACT_BYTES:
         log.info("the truth's run in float64 not made: its copies would take over %d MiB", EXACT_BYTES >> 20)
         return None
-    wide = [x.detach().to(torch.float64, copy=True).requires_grad_(x.requires_grad)
-            if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in inputs]
+    wide = [x.detach().to(dtype, copy=True).requires_grad_(x.requires_grad) if dtype else x
+            for x, dtype in zip(inputs, widened)]
     try:  # it may fail (a float32 buffer the graph writes: a static cache), quietly (see quiet)
         with _collector_paused():
             return _flat_tensors(run(quiet(fn), wide))
@@ -707,6 +718,8 @@ def _differs(out, ref, tolerance: dict = TOLERANCE, ref_name: str = "the referen
             return f"output {i} is {a.layout}, {ref_name}'s {b.layout}"
         if b.is_sparse:  # an embedding's sparse gradient: compared by value
             a, b = a.to_dense(), b.to_dense()
+        if b.is_complex():  # as their real and imaginary parts, at their float dtype's tolerance
+            a, b = _as_real(a), _as_real(b)
         if not b.is_floating_point():
             if not torch.equal(a, b):
                 return f"output {i} differs from {ref_name}'s"
@@ -730,6 +743,7 @@ def _as_near_exact(a64: torch.Tensor, b64: torch.Tensor, finite: torch.Tensor, i
     and a64 within EXACT_MARGIN of b64's distance from it, where b64 is finite."""
     wide = exact() if exact is not None else None
     w = wide[i] if wide is not None and i < len(wide) else None
+    w = _as_real(w) if isinstance(w, torch.Tensor) and w.is_complex() else w
     if not isinstance(w, torch.Tensor) or w.shape != b64.shape or not w.is_floating_point():
         return False
     w = w.detach().double()[finite]
