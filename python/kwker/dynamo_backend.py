@@ -19,7 +19,7 @@ from kwker.rewrite.match import why_run_only_as_called
 from kwker.routing import route_graph, size_inputs, unfit_for_kernels
 from kwker.threads import warn_once_if_openmp_spins
 from kwker.tune import (TOLERANCE, TRAINING_TOLERANCE, FirstCallServed, ForwardAndBackward, TruthFailed, choose,
-                        not_the_candidates, output_tolerance)
+                        not_the_candidates, output_tolerance, quiet)
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +128,7 @@ def tune_inference(gm: torch.fx.GraphModule, example_inputs, opts: KwkerOptions)
         choice = choose(builders, example_inputs, reference="inductor", truth="eager", written=written,
                         tolerance=output_tolerance(gm, example_inputs, TOLERANCE), gates={"frozen": cannot_win})
     except TruthFailed as e:
-        return raised_run_eagerly(e, gm, example_inputs, opts)
+        return raised_run_eagerly(e, gm)
     remember_unless_an_error(key, choice, choice.fallback)
     if choice.name == "frozen" and choice.fallback is not None:  # else Dynamo's graph, FrozenGraph's own
         choice.fn.fallback = choice.built[choice.fallback]
@@ -139,16 +139,20 @@ def tune_inference(gm: torch.fx.GraphModule, example_inputs, opts: KwkerOptions)
     return "tuned", served, detail
 
 
-def raised_run_eagerly(e: TruthFailed, gm: torch.fx.GraphModule, example_inputs, opts: KwkerOptions):
-    """The graph failed run eagerly on the call's inputs, as Inductor's did (a
-    user's error: a float32 input to a bf16 Linear): it goes to stock Inductor,
-    so that the call raises the error as eager and Inductor raise it. Raised
-    here, it was Dynamo's BackendCompilerFailed, which blamed kwker, and Dynamo
-    compiled the graph again at every call."""
-    why = f"the graph raised run eagerly on the first call's inputs ({e}); stock Inductor's graph raises it at " \
-          "the call, as eager does"
-    log.info("kwker: %s", why)
-    return "inductor", compile_with_inductor(gm, example_inputs, opts), {"why": why}
+def raised_run_eagerly(e: TruthFailed, gm: torch.fx.GraphModule):
+    """The graph failed run eagerly on the call's inputs (a user's error: a
+    float32 input to a bf16 Linear, a token id past the vocabulary): it is run
+    eagerly, so that this call and every later one that fails so raise eager's
+    error. Raised here, it was Dynamo's BackendCompilerFailed, which blamed
+    kwker, and Dynamo compiled the graph again at every call; stock
+    Inductor's graph aborts the process where its bounds check throws inside
+    an OpenMP parallel region. A later call of other shapes or dtypes is
+    compiled afresh (Dynamo's guards); one of these is run eagerly, untuned,
+    which the warning says."""
+    why = f"the graph raised run eagerly on the first call's inputs ({e}): it runs eagerly, untuned, until " \
+          "torch._dynamo.reset()"
+    log.warning("kwker: %s", why)
+    return "eager", quiet(gm), {"why": why}  # its forward, as Dynamo's eager backend: __call__ prints the failing line
 
 
 def remember_unless_an_error(key: str, choice, fallback: str | None):
@@ -251,7 +255,7 @@ def tune_training(gm: torch.fx.GraphModule, example_inputs, opts: KwkerOptions):
                         truth="eager", run=ForwardAndBackward(), written=written,
                         tolerance=output_tolerance(gm, example_inputs, TRAINING_TOLERANCE))
     except TruthFailed as e:
-        return raised_run_eagerly(e, gm, example_inputs, opts)
+        return raised_run_eagerly(e, gm)
     remember_unless_an_error(key, choice, None)
     # Inductor kept is compiled again as stock Inductor compiles it, its backward lazily: the
     # timed one's, compiled before any backward said whether it keeps the graph, takes

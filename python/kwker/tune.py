@@ -314,9 +314,13 @@ def choose(builders: dict[str, Callable[[], Callable]], inputs: list, reference:
            tolerance: dict = TOLERANCE, gates: dict[str, Gate] | None = None) -> Choice:
     """builders: name -> a function that compiles that candidate and returns
     what to call. A candidate that fails to build or run is left out, logged;
-    the reference's failure propagates where there is no truth, and where the
-    truth fails too, TruthFailed. truth: the candidate whose outputs the others
-    must give (the reference when None, or when the truth itself fails).
+    the reference's failure propagates where there is no truth. truth: the
+    candidate whose outputs the others must give (the reference when None),
+    built and run first: where it fails, TruthFailed, and no other candidate
+    runs on these inputs (a graph that raises run eagerly is the user's error,
+    which another candidate may not raise: stock Inductor's bounds check of a
+    token id past the vocabulary throws inside an OpenMP parallel region of a
+    training graph, and the process aborts).
     run: one timed run of a candidate (`call`, or a `ForwardAndBackward` with
     TRAINING_TOLERANCE as the tolerance).
     written: the inputs the graph writes in place, put back as they were after
@@ -325,8 +329,7 @@ def choose(builders: dict[str, Callable[[], Callable]], inputs: list, reference:
     backend's compile: the runs here draw nothing the user's call would.)
     gates: name -> a Gate, asked before that candidate is built (a compile
     that cannot win is not paid for). It is given steady times: each candidate
-    built so far whose outputs agree with the truth's (none before the truth is
-    built) is run once more, as the first round of timing (a first run pays
+    built so far whose outputs agree with the truth's is run once more, as the first round of timing (a first run pays
     one-off costs: Inductor's has measured 20-80x its later calls on small
     graphs)."""
     # Each with whether it had autograd history: a training graph's write of a value that requires
@@ -356,7 +359,6 @@ def choose(builders: dict[str, Callable[[], Callable]], inputs: list, reference:
 
     built, outputs, left_out, times, first, errors = {}, {}, {}, {}, {}, {}
     load = _MachineLoad()
-    reference_failure = None
 
     @functools.cache
     def exact(of: str) -> list | None:
@@ -394,8 +396,8 @@ def choose(builders: dict[str, Callable[[], Callable]], inputs: list, reference:
                 if failed.name == reference:
                     reference = truth if truth in built else next(iter(built))
 
-    for name, build in builders.items():
-        gate = (gates or {}).get(name)
+    for name in sorted(builders, key=lambda name: name != truth):  # the truth first, the others in order
+        build, gate = builders[name], (gates or {}).get(name)
         if gate is not None:
             steady = measured(lambda: _gate_ms(built, outputs, times, truth or reference, tolerance, timed_run, exact))
             why = gate(steady)
@@ -413,13 +415,11 @@ def choose(builders: dict[str, Callable[[], Callable]], inputs: list, reference:
         except Exception as e:
             if (name == reference and truth is None) or not_the_candidates(e):
                 raise
-            if name == reference:
-                reference_failure = e
+            if name == truth:
+                raise TruthFailed(e) from e
             left_out[name], errors[name] = f"{type(e).__name__}: {e}", e
         log.info("candidate %s built in %.2f s, run once in %.3f s", name, ran - start, time.perf_counter() - ran)
-    if reference_failure is not None and truth not in built:
-        raise TruthFailed(errors[truth]) from errors[truth]
-    truth = truth if truth in built else reference
+    truth = truth or reference
     for name in list(built):
         why = _differs(outputs[name], outputs[truth], tolerance, truth, functools.partial(exact, truth)) \
             if name != truth else None
@@ -444,9 +444,8 @@ def choose(builders: dict[str, Callable[[], Callable]], inputs: list, reference:
 
 
 class TruthFailed(Exception):
-    """The truth's first run failed, and the reference's: the graph does not
-    run on these inputs (a user's error, which eager raises too). `error` is
-    the truth's."""
+    """The truth's first run failed: the graph does not run on these inputs (a
+    user's error, which eager raises). `error` is the truth's."""
 
     def __init__(self, error: Exception):
         super().__init__(f"{type(error).__name__}: {error}")

@@ -174,6 +174,35 @@ class _DoublesLinear(torch.nn.Parameter):
         return out * 2 if func is torch.nn.functional.linear else out
 
 
+@pytest.mark.parametrize("grad", [False, True], ids=["inference", "training"])
+def test_a_token_id_past_the_vocabulary_raises_eagers_index_error_at_every_call_and_the_process_lives(grad):
+    """The tuning ran stock Inductor's candidate on the inputs eager had failed
+    on: in a training graph its bounds check throws inside an OpenMP parallel
+    region, and the process aborted (found by a helper). Run in a child, which
+    such an abort kills."""
+    code = f"""
+import torch
+from kwker.testing import small_model
+model = small_model("qwen2")  # a vocabulary of 64
+compiled = torch.compile(model, backend="kwker")
+ids = torch.randint(1, 500, (2, 16), generator=torch.Generator().manual_seed(0))
+with torch.set_grad_enabled({grad}):
+    try:
+        model(input_ids=ids, labels=ids)
+    except IndexError as e:
+        eager = str(e)
+    for _ in range(2):
+        try:
+            compiled(input_ids=ids, labels=ids).loss.sum().item()
+        except IndexError as e:
+            print("raised as eager" if str(e) == eager else e)
+print("alive")
+"""
+    out = run_python(code)
+    assert out.returncode == 0 and out.stdout.split() == ["raised", "as", "eager"] * 2 + ["alive"], out
+    assert "runs eagerly, untuned" in out.stderr, out.stderr
+
+
 def test_a_tensor_subclass_overriding_torch_function_gives_eagers_values():
     """Dynamo traces what __torch_function__ does into the graph; the tuning ran
     that graph again on the subclass inputs as its truth and as the eager
@@ -337,7 +366,8 @@ def test_a_model_that_raises_run_eagerly_raises_eagers_error_at_every_call(grad,
     """A float32 input to a bf16 Linear: eager and Inductor raise the op's
     RuntimeError at the call. The tuning, whose truth raised, made it Dynamo's
     BackendCompilerFailed, blaming kwker, Dynamo compiled again at every call,
-    and torch.fx printed the graph's failing line to stderr each time."""
+    and torch.fx printed the graph's failing line to stderr each time. A
+    later call of the right dtype is compiled afresh and tuned."""
     from kwker import summary
 
     torch.manual_seed(0)
@@ -352,6 +382,9 @@ def test_a_model_that_raises_run_eagerly_raises_eagers_error_at_every_call(grad,
             compiled(x)
         assert type(raised.value) is RuntimeError and str(raised.value) == str(eager.value)
     (graph,) = summary.graphs()
-    assert graph.kind == "inductor" and "raised run eagerly" in graph.why, kwker.report()
+    assert graph.kind == "eager" and "raised run eagerly" in graph.why, kwker.report()
     assert "FX-traced Module" not in capfd.readouterr().err
+    with torch.set_grad_enabled(grad):
+        torch.testing.assert_close(compiled(x.bfloat16()), lin(x.bfloat16()))
+    assert summary.graphs()[-1].kind == ("training" if grad else "tuned"), kwker.report()
     torch._dynamo.reset()
