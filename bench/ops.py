@@ -18,8 +18,6 @@ import sys
 import time
 from pathlib import Path
 
-from kwker.tune import busy_cpu_s
-
 ROOT = Path(__file__).resolve().parent.parent
 BUILD = ROOT / "build" / "bench"
 
@@ -37,9 +35,12 @@ def build() -> Path:
 
 
 def cpu_busy_s() -> float:
-    """CPU seconds all processes have spent busy on every CPU (kwker's tuning reads
-    the same counters per CPU); less this process's children's, everyone else's."""
-    return sum(busy_cpu_s().values())
+    """CPU seconds all processes have spent busy (/proc/stat), and the share of it
+    that was this process's children: the difference is everyone else."""
+    with open("/proc/stat") as f:
+        fields = [int(v) for v in f.readline().split()[1:]]
+    busy = sum(fields) - fields[3] - fields[4]  # all but idle and iowait
+    return busy / os.sysconf("SC_CLK_TCK")
 
 
 def children_cpu_s() -> float:

@@ -116,7 +116,7 @@ def tune_inference(gm: torch.fx.GraphModule, example_inputs, opts: KwkerOptions)
         return "inductor", compile_with_inductor(gm, example_inputs, opts), {"why": why_not}
     unfit, arena = unfit_for_kernels(gm, example_inputs), None
     try:
-        arena = None if unfit else reserve_weights(gm, example_inputs)  # faults in while Inductor compiles
+        arena = None if unfit else reserve_weights(gm, example_inputs)  # faults in while eager runs, Inductor compiles
     except Exception as e:  # a bug of kwker's: the plan is left out, the other candidates timed
         log.warning("kwker: reserving its plan's weight copies failed; the other candidates are timed", exc_info=True)
         unfit = f"reserving its weight copies failed ({type(e).__name__}: {e})"
@@ -141,7 +141,8 @@ def tune_inference(gm: torch.fx.GraphModule, example_inputs, opts: KwkerOptions)
 
 def raised_run_eagerly(e: TruthFailed, gm: torch.fx.GraphModule):
     """The graph failed run eagerly on the call's inputs (a user's error: a
-    float32 input to a bf16 Linear, a token id past the vocabulary): it is run
+    float32 input to a bf16 Linear, a token id past the vocabulary; or a
+    training graph's backward, which the call itself may not run): it is run
     eagerly, so that this call and every later one that fails so raise eager's
     error. Raised here, it was Dynamo's BackendCompilerFailed, which blamed
     kwker, and Dynamo compiled the graph again at every call; stock
@@ -149,8 +150,8 @@ def raised_run_eagerly(e: TruthFailed, gm: torch.fx.GraphModule):
     an OpenMP parallel region. A later call of other shapes or dtypes is
     compiled afresh (Dynamo's guards); one of these is run eagerly, untuned,
     which the warning says."""
-    why = f"the graph raised run eagerly on the first call's inputs ({e}): it runs eagerly, untuned, until " \
-          "torch._dynamo.reset()"
+    why = f"the graph raised run eagerly on the first call's inputs (a training graph's with a backward): {e}; " \
+          "it runs eagerly, untuned, until torch._dynamo.reset()"
     log.warning("kwker: %s", why)
     return "eager", quiet(gm), {"why": why}  # its forward, as Dynamo's eager backend: __call__ prints the failing line
 

@@ -52,6 +52,12 @@ def not_the_candidates(e: Exception) -> bool:
         tb = tb.tb_next
     return tb is not None
 
+
+def out_of_memory(e: Exception) -> bool:
+    """e is an allocation's failure (PyTorch's CPU allocator raises a RuntimeError)."""
+    return isinstance(e, (MemoryError, torch.OutOfMemoryError)) or "can't allocate memory" in str(e)
+
+
 # Another candidate replaces the reference when its median is below this share of the reference's.
 MARGIN = 0.97
 # Rounds of timing: at least MIN_ROUNDS; more, up to MAX_ROUNDS, while under BUDGET_S seconds.
@@ -315,12 +321,13 @@ def choose(builders: dict[str, Callable[[], Callable]], inputs: list, reference:
     """builders: name -> a function that compiles that candidate and returns
     what to call. A candidate that fails to build or run is left out, logged;
     the reference's failure propagates where there is no truth. truth: the
-    candidate whose outputs the others must give (the reference when None),
-    built and run first: where it fails, TruthFailed, and no other candidate
-    runs on these inputs (a graph that raises run eagerly is the user's error,
-    which another candidate may not raise: stock Inductor's bounds check of a
-    token id past the vocabulary throws inside an OpenMP parallel region of a
-    training graph, and the process aborts).
+    candidate whose outputs the others must give (the reference when None,
+    or where the truth's run failed for want of memory: Inductor's fused
+    kernels may need far less than eager's intermediates), built and run
+    first: where it fails otherwise, TruthFailed, and no other candidate runs
+    on these inputs (a user's error, which another candidate may not raise:
+    stock Inductor's bounds check of a token id past the vocabulary throws
+    inside an OpenMP parallel region, and the process aborts).
     run: one timed run of a candidate (`call`, or a `ForwardAndBackward` with
     TRAINING_TOLERANCE as the tolerance).
     written: the inputs the graph writes in place, put back as they were after
@@ -415,11 +422,13 @@ def choose(builders: dict[str, Callable[[], Callable]], inputs: list, reference:
         except Exception as e:
             if (name == reference and truth is None) or not_the_candidates(e):
                 raise
-            if name == truth:
+            if name == truth and not out_of_memory(e):
                 raise TruthFailed(e) from e
             left_out[name], errors[name] = f"{type(e).__name__}: {e}", e
         log.info("candidate %s built in %.2f s, run once in %.3f s", name, ran - start, time.perf_counter() - ran)
-    truth = truth or reference
+    if truth in errors and reference in errors:
+        raise TruthFailed(errors[truth]) from errors[truth]
+    truth = truth if truth in built else reference
     for name in list(built):
         why = _differs(outputs[name], outputs[truth], tolerance, truth, functools.partial(exact, truth)) \
             if name != truth else None
@@ -444,8 +453,9 @@ def choose(builders: dict[str, Callable[[], Callable]], inputs: list, reference:
 
 
 class TruthFailed(Exception):
-    """The truth's first run failed: the graph does not run on these inputs (a
-    user's error, which eager raises). `error` is the truth's."""
+    """The truth's first run failed (and the reference's, where the truth ran
+    out of memory): the graph does not run on these inputs, a user's error
+    that eager raises. `error` is the truth's."""
 
     def __init__(self, error: Exception):
         super().__init__(f"{type(error).__name__}: {error}")
@@ -491,14 +501,14 @@ class _MachineLoad:
     @contextlib.contextmanager
     def timing(self):
         with _collector_paused():
-            start, cpus, own = time.perf_counter(), busy_cpu_s(), _own_cpu_s()
+            start, cpus, own = time.perf_counter(), _busy_cpu_s(), _own_cpu_s()
             try:
                 yield
             finally:
                 self.seconds += time.perf_counter() - start
                 self.own_cpu_s += _own_cpu_s() - own
                 self.windows += 1
-                for cpu, busy in busy_cpu_s().items():
+                for cpu, busy in _busy_cpu_s().items():
                     self.cpu_s[cpu] = self.cpu_s.get(cpu, 0.0) + busy - cpus.get(cpu, math.nan)
 
     def busy(self) -> str | None:
@@ -517,7 +527,7 @@ class _MachineLoad:
                 f"with {threads} thread{'s' * (threads > 1)}) while the candidates ran")
 
 
-def busy_cpu_s() -> dict[int, float]:
+def _busy_cpu_s() -> dict[int, float]:
     """CPU seconds every process has spent busy on each CPU (not idle, waiting
     on a disk or taken by the host: steal); empty without /proc/stat."""
     ticks = {}
@@ -717,8 +727,10 @@ def _differs(out, ref, tolerance: dict = TOLERANCE, ref_name: str = "the referen
             return f"output {i} is {a.layout}, {ref_name}'s {b.layout}"
         if b.is_sparse:  # an embedding's sparse gradient: compared by value
             a, b = a.to_dense(), b.to_dense()
-        if b.is_complex():  # as their real and imaginary parts, at their float dtype's tolerance
-            a, b = _as_real(a), _as_real(b)
+        if b.is_complex():  # as their real and imaginary parts, at their float dtype's tolerance; NaN by element
+            if not torch.equal(a.isnan(), b.isnan()):
+                return f"output {i} has NaN where {ref_name}'s has not, or the other way"
+            a, b = (_as_real(t.masked_fill(t.isnan(), 0)) for t in (a, b))
         if not b.is_floating_point():
             if not torch.equal(a, b):
                 return f"output {i} differs from {ref_name}'s"

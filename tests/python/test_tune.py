@@ -357,6 +357,27 @@ def test_outputs_are_checked_against_the_truth_and_a_reference_that_differs_is_l
         choose({"ref": building("ref"), "truth": broken, "other": building("other")}, [], "ref", truth="truth")
     assert built == []
 
+    def out_of_memory(from_run=1):
+        runs = []
+
+        def run(*inputs):
+            runs.append(1)
+            if len(runs) >= from_run:
+                raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 4608000000 bytes")
+            return (x.clone(),)
+        return lambda: run
+
+    # eager's intermediates that do not fit, where Inductor's fused kernel does: the reference is the truth again
+    choice = choose({"ref": taking(0.0, x), "truth": out_of_memory(), "other": taking(0.0, x + 1)}, [], "ref",
+                    truth="truth")
+    assert choice.name == "ref" and "differs from ref's" in choice.left_out["other"], choice
+    with pytest.raises(TruthFailed, match="can't allocate"):  # and where the reference's fails too, the user's
+        choose({"ref": out_of_memory(), "truth": out_of_memory()}, [], "ref", truth="truth")
+    # the truth's second run (a gate's steady one) failing: the reference stands in for it
+    choice = choose({"ref": taking(0.0, x), "truth": out_of_memory(from_run=2), "gated": taking(0.0, x)}, [], "ref",
+                    truth="truth", gates={"gated": lambda ms: None})
+    assert "(a later run)" in choice.left_out["truth"] and set(choice.ms) == {"ref", "gated"}, choice
+
 
 def test_an_inference_graph_is_tuned_and_gives_eagers_outputs():
     mlp = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 32)).eval()
@@ -727,6 +748,9 @@ def test_complex_outputs_are_compared_by_their_parts_at_their_float_dtypes_toler
     assert _differs([torch.tensor([1 - 2j, 3j, 0.5]).conj()], ref) is None  # a conjugate view, resolved
     assert "relative L2" in _differs([ref[0].conj().resolve_conj()], ref)
     assert _differs([ref[0] * (1 + 1e-6)], [ref[0].to(torch.complex128)]) is not None  # another dtype
+    nan = float("nan")
+    assert _differs([torch.tensor([complex(nan, 0), 1j])], [torch.tensor([complex(nan, nan), 1j])]) is None
+    assert "NaN" in _differs([torch.tensor([complex(nan, 0), 1j])], [torch.tensor([1 + 0j, 1j])])
 
 
 def test_a_complex_gradient_keeps_no_right_candidate_out():
