@@ -139,7 +139,7 @@ def tune_inference(gm: torch.fx.GraphModule, example_inputs, opts: KwkerOptions)
     return "tuned", served, detail
 
 
-def raised_run_eagerly(e: TruthFailed, gm: torch.fx.GraphModule):
+def raised_run_eagerly(e: TruthFailed, gm: torch.fx.GraphModule, backward: bool = False):
     """The graph failed run eagerly on the call's inputs (a user's error: a
     float32 input to a bf16 Linear, a token id past the vocabulary; or a
     training graph's backward, which the call itself may not run): it is run
@@ -150,7 +150,7 @@ def raised_run_eagerly(e: TruthFailed, gm: torch.fx.GraphModule):
     an OpenMP parallel region. A later call of other shapes or dtypes is
     compiled afresh (Dynamo's guards); one of these is run eagerly, untuned,
     which the warning says."""
-    why = f"the graph raised run eagerly on the first call's inputs (a training graph's with a backward): {e}; " \
+    why = f"the graph raised run eagerly on the first call's inputs{' (forward and backward)' * backward}: {e}; " \
           "it runs eagerly, untuned, until torch._dynamo.reset()"
     log.warning("kwker: %s", why)
     return "eager", quiet(gm), {"why": why}  # its forward, as Dynamo's eager backend: __call__ prints the failing line
@@ -256,7 +256,7 @@ def tune_training(gm: torch.fx.GraphModule, example_inputs, opts: KwkerOptions):
                         truth="eager", run=ForwardAndBackward(), written=written,
                         tolerance=output_tolerance(gm, example_inputs, TRAINING_TOLERANCE))
     except TruthFailed as e:
-        return raised_run_eagerly(e, gm)
+        return raised_run_eagerly(e, gm, backward=True)
     remember_unless_an_error(key, choice, None)
     # Inductor kept is compiled again as stock Inductor compiles it, its backward lazily: the
     # timed one's, compiled before any backward said whether it keeps the graph, takes

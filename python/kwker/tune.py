@@ -336,9 +336,9 @@ def choose(builders: dict[str, Callable[[], Callable]], inputs: list, reference:
     backend's compile: the runs here draw nothing the user's call would.)
     gates: name -> a Gate, asked before that candidate is built (a compile
     that cannot win is not paid for). It is given steady times: each candidate
-    built so far whose outputs agree with the truth's is run once more, as the first round of timing (a first run pays
-    one-off costs: Inductor's has measured 20-80x its later calls on small
-    graphs)."""
+    built so far whose outputs agree with the truth's is run once more, as the
+    first round of timing (a first run pays one-off costs: Inductor's has
+    measured 20-80x its later calls on small graphs)."""
     # Each with whether it had autograd history: a training graph's write of a value that requires
     # grad (a cache written from a parameter's product) gives the input history, which a put-back
     # value must not keep (the next run's backward would go through the freed graph); tune_training
