@@ -262,10 +262,11 @@ def call(fn: Callable, inputs: list):
 def quiet(fn: Callable) -> Callable:
     """fn, or a GraphModule's forward: its __call__ prints the failing line of
     its code to stderr before it raises, and a candidate's failure is the
-    tuning's to report (a user's error, where eager's run fails too, is raised
-    at the call, as eager raises it: see dynamo_backend). For the runs that
-    may fail, the first and the float64 one; the timed runs go through
-    __call__, as Dynamo's calls of a kept GraphModule do."""
+    tuning's to report. For the runs that may fail: the first and the float64
+    one, and every call of a graph whose eager run failed on the first call's
+    inputs (a user's error, raised at the call as eager raises it: see
+    dynamo_backend.raised_run_eagerly); the timed runs go through __call__, as
+    Dynamo's calls of a kept GraphModule do."""
     if not isinstance(fn, torch.fx.GraphModule):
         return fn
     _LazyGraphModule.force_recompile(fn)  # a lazy one's forward calls __call__ until its code is made
