@@ -255,7 +255,10 @@ def test_a_choice_made_with_a_candidate_left_out_by_an_error_is_not_remembered(m
 def test_a_choice_timed_while_other_processes_kept_the_cpus_busy_is_not_remembered(caplog):
     """Another process on the second vCPU made kwker's plan 10-50x slower in the
     tuning and Inductor was kept: in every later process, had it been remembered."""
-    model, x = mlp(), torch.randn(512, 64)  # calls of a few ms: the timing's rounds run for tenths of a second
+    # Calls of tens of ms, so that the timing's windows run long enough for the spinners' share to pass the
+    # counters' tick rounding: at 512 rows the rounds could end within 0.12 s (the spinners' 0.12 CPU-s under
+    # 0.15), and the test failed 4 times in 6 on a 2-vCPU Xeon; at 16384, 6 passes in 6.
+    model, x = mlp(), torch.randn(16384, 64)
     cpus = len(os.sched_getaffinity(0))
     spinning = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(cpus)]
     try:
