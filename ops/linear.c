@@ -135,7 +135,7 @@ void kw__linear_run(const kw_call *c, const kw__lin *prepared, int ith, int nth)
         kw__linear_by_rows_amx(&g, c->share, ith, nth, work);
         return;
     }
-    const int64_t M = g.M, rows = kw__lin_panel_rows(&g);
+    const int64_t panels = kw__lin_panels(prepared);
     const char *const x = g.x;
     char *y[KW__LIN_MAX_OUT];
     for (int j = 0; j < g.n_out; j++) y[j] = g.out[j].y;
@@ -143,8 +143,9 @@ void kw__linear_run(const kw_call *c, const kw__lin *prepared, int ith, int nth)
     /* Each panel's chunks are claimed through share words of their own, so no
      * thread waits for another between panels; panels past the share's words
      * are split statically. */
-    for (int64_t m0 = 0, p = 0; m0 < M; m0 += rows, p++) {
-        g.M = KW__MIN(rows, M - m0);
+    for (int64_t p = 0; p < panels; p++) {
+        const int64_t m0 = kw__lin_panel_start(prepared, p);
+        g.M = kw__lin_panel_start(prepared, p + 1) - m0;
         g.x = x + (size_t)(m0 * g.xs) * kw_dtype_size(g.xt);
         for (int j = 0; j < g.n_out; j++) g.out[j].y = y[j] + (size_t)(m0 * g.out[j].ys) * kw_dtype_size(g.yt);
         uint64_t *share = c->share && (p + 1) * nth <= KW__LIN_SHARE_MAX ? (uint64_t *)c->share + p * nth : NULL;

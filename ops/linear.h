@@ -144,11 +144,34 @@ static inline size_t kw__lin_amx_sums_bytes(const kw__lin *g) {
  * every chunk: ViT-base's MLP at batch 8 (1576 rows, 768 by 3072, bf16) took
  * 5.9-6.4 ms a call, against 4.0 in panels of 512 KiB, 4.4 of 256 KiB and 4.5
  * of 1 MiB (12 layers' weights in turn, 2-vCPU Xeon). Whole pairs of blocks of
- * 16, for the wide tiles. */
+ * 16, for the wide tiles; two pairs where they take at most 1 MiB: each chunk
+ * of weight rows, loaded from memory by the first pair, then serves a second
+ * from L1, where a panel of one pair streams the whole weight once for every
+ * 32 rows. Llama-3.2-1B's down projection (8192 → 2048, bf16) at 128 rows took
+ * 2.33-2.53 ms in panels of 64 rows against 2.99-3.08 in panels of 32, and 9.9-10.3
+ * against 11.9-13.0 at 512 rows; f32 x's gate and up (2048 → 16384, three parts)
+ * 8.9-9.4 against 9.4-9.5 at 128 (ops_bench, 2-vCPU Xeon, alternated). */
 static inline int64_t kw__lin_panel_rows(const kw__lin *g) {
     if (!g->amx_parts) return g->M;
     const int64_t block_bytes = (int64_t)g->amx_parts * 16 * (g->K / g->kblk) * kw__lin_block_padded(g->kblk) * 2;
-    return KW__MAX(2, (512 << 10) / block_bytes / 2 * 2) * 16;
+    const int64_t two_pairs = block_bytes * 4 <= (1 << 20) ? 4 : 2;
+    return KW__MAX(two_pairs, (512 << 10) / block_bytes / 2 * 2) * 16;
+}
+
+/* Where panel p of x starts (panel `panels` ends at M): M split into as few
+ * panels as kw__lin_panel_rows allows, of about equal rows in whole pairs of
+ * blocks, so that no panel is a short one that streams the weight for few rows
+ * (128 rows in panels of at most 96: 64 and 64, not 96 and 32; SmolLM2-360M's
+ * down projection, 2560 → 960 bf16, took 297-312 µs against 314-335). Every
+ * panel holds at most kw__lin_panel_rows: each boundary is rounded up. */
+static inline int64_t kw__lin_panels(const kw__lin *g) {
+    const int64_t most = kw__lin_panel_rows(g);
+    return (g->M + most - 1) / most;
+}
+
+static inline int64_t kw__lin_panel_start(const kw__lin *g, int64_t p) {
+    const int64_t panels = kw__lin_panels(g);
+    return KW__MIN(g->M, ((p * g->M + panels - 1) / panels + 31) / 32 * 32);
 }
 
 /* The weight in the AMX kernel's B tiles, for the product by rows of x: every

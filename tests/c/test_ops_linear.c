@@ -190,21 +190,23 @@ Test(linear, amx_shapes_match_the_reference) {
     }
 }
 
-/* The rows of x in the AMX kernel's panels (kw__lin_panel_rows): more rows than
- * a panel, so that x is laid out and multiplied panel after panel, the last one
- * short (an odd block, a block of fewer than 16 rows); weight groups stored in
- * pairs, and split where a pair straddles two outputs of linear_multi. Fewer
- * rows than the product by rows of x takes (KW__LIN_BY_ROWS_MIN_M), so long
- * rows of x make the panels short. */
+/* The rows of x in the AMX kernel's panels (kw__lin_panel_rows,
+ * kw__lin_panel_start): more rows than a panel, so that x is laid out and
+ * multiplied panel after panel, the last one short (an odd block, a block of
+ * fewer than 16 rows) or the rows split evenly; weight groups stored in pairs,
+ * and split where a pair straddles two outputs of linear_multi. Fewer rows than
+ * the product by rows of x takes (KW__LIN_BY_ROWS_MIN_M), so long rows of x
+ * make the panels short. */
 Test(linear, amx_panels_of_x_match_the_reference) {
     tt_rng r = {29};
     static const struct {
         kw_dtype xt;
         int64_t M, K, n_out, N[3];
     } cases[] = {
-        {KW_BF16, 90, 6000, 1, {80}},          /* panels of 32 rows, the last a block and 10 rows */
-        {KW_BF16, 100, 6000, 3, {16, 64, 48}}, /* pairs (0, 16) and (64, 80) straddle outputs */
-        {KW_BF16, 72, 6000, 1, {48}},          /* a last panel of 8 rows: narrow tiles */
+        {KW_BF16, 90, 9000, 1, {80}},          /* panels of 32 rows, the last a block and 10 rows */
+        {KW_BF16, 100, 9000, 3, {16, 64, 48}}, /* pairs (0, 16) and (64, 80) straddle outputs */
+        {KW_BF16, 72, 9000, 1, {48}},          /* a last panel of 8 rows: narrow tiles */
+        {KW_BF16, 130, 6000, 1, {208}},        /* panels of at most 64 rows: 64, 32 and 34 */
         {KW_F32, 100, 4000, 1, {48}},          /* three parts, panels of 32 rows; f32 y */
     };
     for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
@@ -225,8 +227,7 @@ Test(linear, amx_panels_of_x_match_the_reference) {
         snprintf(what, sizeof what, "%s x M=%lld K=%lld", kw_dtype_name(xt), (long long)M, (long long)K);
         if (kw_cpu_isa() >= KW_ISA_AMX) {
             const kw__lin prep = prepared(op, &k.c);
-            cr_assert(prep.rows == kw__linear_rows_amx && !kw__lin_amx_by_rows(&prep) &&
-                          M > 2 * kw__lin_panel_rows(&prep),
+            cr_assert(prep.rows == kw__linear_rows_amx && !kw__lin_amx_by_rows(&prep) && kw__lin_panels(&prep) >= 3,
                       "%s: not three panels on the AMX kernel", what);
         }
         tt_check_variants(op, &k, lin_tol(xt, K), what);
