@@ -54,6 +54,10 @@ void kw_watch_prefetch(const kw_watch *w);
  * Read the memory (copy it) only after this returns: a write between the two is
  * then seen. 0, or -1 with errno set (the watch then reports changed). */
 int kw_watch_rearm(kw_watch *w);
+/* How many times the watch was armed (kw_watch_new, kw_watch_rearm): a watch
+ * that reports changed and was armed since a moment was written after that
+ * arming, not only before it. */
+unsigned kw_watch_arms(const kw_watch *w);
 
 /* The watched range. */
 const void *kw_watch_data(const kw_watch *w);

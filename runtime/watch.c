@@ -63,6 +63,7 @@ struct kw_watch {
     int entry;         /* index into regions, -1 when no whole page lies inside */
     size_t head, tail; /* bytes before the first protected page, after the last */
     unsigned char *snapshot; /* head bytes, then tail bytes */
+    unsigned arms;           /* kw_watch_arms */
 };
 
 static uintptr_t page_size(void) {
@@ -285,6 +286,7 @@ kw_watch *kw_watch_new(const void *p, size_t bytes) {
         }
     }
     take_snapshot(w);
+    w->arms = 1;
     return w;
 }
 
@@ -337,8 +339,11 @@ void kw_watch_prefetch(const kw_watch *w) {
 int kw_watch_rearm(kw_watch *w) {
     const int rc = protect(w);
     take_snapshot(w);
+    w->arms++;
     return rc;
 }
+
+unsigned kw_watch_arms(const kw_watch *w) { return w->arms; }
 
 const void *kw_watch_data(const kw_watch *w) { return w->data; }
 size_t kw_watch_bytes(const kw_watch *w) { return w->bytes; }

@@ -156,28 +156,32 @@ def small_linear_plan(n_threads=1):
     return b.finish(n_threads), w
 
 
-def copying_plan():
-    """out = x @ copyᵀ, where copy is the plan's own copy of its second argument,
-    kept fresh through plan.watch; returns the plan, the copy and the refreshes seen."""
-    source = torch.randn(8, 4)
+def copying_plan(rows=8, after_refresh=None):
+    """out = x @ copyᵀ, where copy is the plan's own copy of its second argument
+    ([rows, 4]), kept fresh through plan.watch; returns the plan, the copy and
+    the refreshes seen. after_refresh(source) runs at the end of each refresh."""
+    source = torch.randn(rows, 4)
     copy = source.clone()
     b = _C.PlanBuilder()
     x = b.input("x", F32, (2, 4))
-    out = b.output_buffer("out", F32, (2, 8))
-    b.op("linear", [_contig(b, out, (2, 8)), _contig(b, x, (2, 4)), _contig(b, b.constant(copy, "copy"), (8, 4))])
-    b.output(_contig(b, out, (2, 8)))
+    out = b.output_buffer("out", F32, (2, rows))
+    b.op("linear", [_contig(b, out, (2, rows)), _contig(b, x, (2, 4)),
+                    _contig(b, b.constant(copy, "copy"), (rows, 4))])
+    b.output(_contig(b, out, (2, rows)))
     plan = b.finish(1, n_args=2)
     sources = [(1, _C.Watch(source))]
     refreshes = []
 
     def refresh(args):
-        refreshes.append(args[1])
+        refreshes.append(args[1].clone())
         _, watch = sources[0]
         if watch.moved(args[1]):
             sources[0] = (1, _C.Watch(args[1]))
         else:
             watch.rearm()
         copy.copy_(args[1])
+        if after_refresh:
+            after_refresh(args[1])
 
     plan.watch(sources, refresh)
     return plan, source, refreshes
@@ -199,6 +203,30 @@ def test_a_watched_source_is_refreshed_after_any_write_and_only_then():
     assert len(refreshes) == 3
     plan(x, source)
     assert len(refreshes) == 3
+
+
+@pytest.mark.parametrize("rows", [8, 4096])  # on the compared ends only; on protected pages too
+def test_a_source_written_again_after_its_refresh_armed_it_is_read_as_copied_and_copied_again_next_call(rows):
+    """Another thread writing a weight while a call packs its copy: the writes
+    keep coming after each refresh (here the refresh itself writes, three
+    times). The call reads the copy as the last refresh made it, a state the
+    memory had during the call, and the next call copies the write."""
+    writes = []
+
+    def write_again(source):
+        if len(writes) < 3:
+            writes.append(1)
+            source.data.add_(1.0)
+
+    plan, source, refreshes = copying_plan(rows, write_again)
+    x = torch.randn(2, 4)
+    source.data.add_(1.0)
+    torch.testing.assert_close(plan(x, source)[0], x @ refreshes[-1].T)  # two refreshes, each written after
+    assert len(refreshes) == 2 and not torch.equal(refreshes[-1], source)
+    torch.testing.assert_close(plan(x, source)[0], x @ source.T)  # written once more, then left alone
+    assert len(refreshes) == 4
+    plan(x, source)
+    assert len(refreshes) == 4
 
 
 def test_a_source_replaced_or_relaid_is_refreshed_and_a_refresh_may_return_a_new_plan():
