@@ -46,6 +46,8 @@ class FrozenGraph:
                        if _model_tensor(n, x)]
         if not self.frozen:
             raise ValueError("the graph reads no parameter or buffer of a module")
+        if weights.shared_with_other_processes([example_inputs[i] for i in self.frozen]):
+            raise ValueError("a model tensor is in memory shared with other processes, whose writes no watch sees")
         self.kept = [i for i in range(len(example_inputs)) if i not in self.frozen]
         # Watched before Inductor reads them: a write during the compile is seen.
         watches = [_C.Watch(example_inputs[i]) for i in self.frozen]

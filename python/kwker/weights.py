@@ -3,9 +3,11 @@ linear (or per mixture of experts' weights), and how its copies are kept equal
 to the model's weights.
 
 A weight is read as stored (the model's own tensor, bound on every call) when
-its linear has rows enough for oneDNN's matmul to be faster (DNNL_MIN_ROWS: the
-product is then compute-bound, and oneDNN has no float32 × bfloat16 matmul),
-and otherwise unless a copy reads fewer bytes or fewer calls:
+it lives in memory other processes share (their writes are never seen, see
+shared_with_other_processes), when its linear has rows enough for oneDNN's
+matmul to be faster (DNNL_MIN_ROWS: the product is then compute-bound, and
+oneDNN has no float32 × bfloat16 matmul), and otherwise unless a copy reads
+fewer bytes or fewer calls:
 - a float32 weight whose every value is exactly a bfloat16 value (a bf16
   checkpoint loaded in float32) gets a bfloat16 copy: exact, half the bytes;
 - linears that read the same input (q/k/v, gate/up) get one copy of their
@@ -93,10 +95,21 @@ def by_matmul(dtype: torch.dtype, rows: int) -> bool:
     return rows >= DNNL_MIN_ROWS.get(dtype, rows + 1)
 
 
+def shared_with_other_processes(tensors: list[torch.Tensor]) -> bool:
+    """Whether one of these tensors lives in memory other processes map too
+    (`share_memory()`, torch.multiprocessing's tensors): a watch sees the
+    writes of this process only (the pages are read-only in its own mapping),
+    so a copy of it would be read stale after another process's write. Such a
+    weight is always read as stored."""
+    return any(t.is_shared() for t in tensors)
+
+
 def decide(weights: list[torch.Tensor], rows: int, kn: bool = False) -> Storage | None:
     """The storage for the weights of linears that share an input (one weight
     when none does) of `rows` rows per call, or None: each read as stored.
     kn: the weights are [K, N], multiplied as stored."""
+    if shared_with_other_processes(weights):
+        return None
     dtype = copy_dtype(weights)
     as_stored = dtype == weights[0].dtype
     if by_matmul(dtype, rows) if as_stored else rows >= DNNL_MIN_ROWS_OVER_BF16_COPY:
@@ -112,7 +125,9 @@ def decide_experts(weights: torch.Tensor) -> Storage | None:
     """The storage of a mixture of experts' weights [E, N, K] (grouped_linear's):
     a bf16 copy when they are bf16-valued float32, else None (read as stored).
     Never K-blocked, and never oneDNN's: it has no grouped matmul."""
-    return Storage(torch.bfloat16, 0) if is_bf16_valued(weights) else None
+    if shared_with_other_processes([weights]) or not is_bf16_valued(weights):
+        return None
+    return Storage(torch.bfloat16, 0)
 
 
 def convolution_storage(weight: torch.Tensor) -> Storage | None:
@@ -123,7 +138,8 @@ def convolution_storage(weight: torch.Tensor) -> Storage | None:
     accumulation); else None, as stored. On a Zen 3 EPYC (AVX2, 2 threads)
     PyTorch's bf16 convolutions took 8-70x its f32 ones: a 3 x 3 of 64 channels
     over 56 x 56, NCHW, 97 ms against 2.3, channels-last 12.7 against 1.3."""
-    if weight.dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+    if weight.dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported() \
+            and not shared_with_other_processes([weight]):
         return Storage(torch.float32, 0)
     return None
 

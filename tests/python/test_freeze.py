@@ -2,6 +2,7 @@
 constants kwker watches, never read stale."""
 
 import gc
+import mmap
 
 import pytest
 import torch
@@ -282,6 +283,23 @@ def test_a_conv_bn_graph_is_tuned_with_a_frozen_candidate_that_stays_correct(mon
         assert graph.choice == "frozen" and {"inductor", "eager", "frozen"} <= set(graph.candidates), kwker.report()
         model.load_state_dict(other.state_dict())
         torch.testing.assert_close(compiled(x), other(x), rtol=1e-4, atol=1e-5)
+
+
+def test_a_model_in_memory_shared_with_other_processes_gets_no_frozen_candidate(monkeypatch):
+    """No watch sees another process's write (share_memory(), Hogwild), so no
+    constants are made of such a model's tensors."""
+    monkeypatch.setattr(kwker.freeze, "MAX_GAIN_OVER_INDUCTOR", float("inf"))
+    model, x = ConvBN().eval(), torch.randn(1, 3, 16, 16)
+    model.share_memory()
+    with torch.no_grad():
+        compiled = torch.compile(model, backend="kwker")
+        torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-5)
+        (graph,) = summary.graphs()
+        assert "shared with other processes" in graph.left_out.get("frozen", ""), kwker.report()
+        fd, size = model.conv.weight.untyped_storage()._share_fd_cpu_()
+        again = torch.frombuffer(mmap.mmap(fd, size), dtype=torch.float32, count=model.conv.weight.numel())
+        again.mul_(2)  # through a mapping of its own, as another process writes
+        torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-5)
 
 
 def test_freezing_is_not_tried_where_it_measured_no_gain_or_under_grad():

@@ -3,6 +3,7 @@ share a step between threads, edit weights any way PyTorch allows, load another
 model, change dtypes, run out of cache — gives eager's tokens, or hands the
 graph to Inductor with the reason, or raises what eager raises."""
 
+import mmap
 import threading
 import warnings
 
@@ -103,6 +104,35 @@ def test_conv1d_weights_copied_as_their_transpose_are_read_fresh_after_an_edit(b
     c_fc = model.transformer.h[0].mlp.c_fc.weight
     c_fc.data[:, :40].mul_(-8.0)  # bf16-exact; columns, which are rows of the copy
     assert greedy(model) != before
+    assert_same_tokens(model, config)
+    assert kinds() == ["decode-replay"], kwker.report()
+
+
+def _mapped_again(t: torch.Tensor) -> torch.Tensor:
+    """t's shared memory through a second mapping of its own, as another process
+    sees it: a write there never touches this process's mapping of t."""
+    fd, size = t.untyped_storage()._share_fd_cpu_()
+    mapping = mmap.mmap(fd, size)
+    again = torch.frombuffer(mapping, dtype=t.dtype, count=t.numel()).view(t.shape)
+    assert again.data_ptr() != t.data_ptr()
+    return again
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "mixtral"])  # stacked, transposed, experts' copies
+def test_weights_shared_with_other_processes_are_read_as_stored_and_another_processs_write_is_seen(arch):
+    """share_memory() (Hogwild training in workers, evaluation in the main
+    process): no watch sees another process's writes, so kwker copies none of
+    these weights (before, its bf16 copies were read stale: other tokens)."""
+    model = small_model(arch)  # bf16-valued: every linear's weight would be a copy
+    model.share_memory()
+    config = kwker.compile_config()
+    assert_same_tokens(model, config)
+    before = greedy(model)
+    for name, p in model.named_parameters():
+        if p.dim() >= 2 and "wte" not in name and "embed" not in name:
+            again = _mapped_again(p)
+            again.copy_((again * -3.0).bfloat16().float())  # bf16-exact, as another process's write
+    assert greedy(model) != before  # the writes decide the tokens
     assert_same_tokens(model, config)
     assert kinds() == ["decode-replay"], kwker.report()
 
