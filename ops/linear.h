@@ -159,14 +159,16 @@ static inline int64_t kw__lin_panel_rows(const kw__lin *g) {
 }
 
 /* Where panel p of x starts (panel `panels` ends at M): M split into as few
- * panels as kw__lin_panel_rows allows, of about equal rows in whole pairs of
- * blocks, so that no panel is a short one that streams the weight for few rows
- * (128 rows in panels of at most 96: 64 and 64, not 96 and 32; SmolLM2-360M's
- * down projection, 2560 → 960 bf16, took 297-312 µs against 314-335). Every
- * panel holds at most kw__lin_panel_rows: each boundary is rounded up. */
+ * panels as kw__lin_panel_rows allows, each boundary p · M / panels rounded up
+ * to whole pairs of blocks, so that the panels are of about equal rows where
+ * that rounding allows (128 rows in panels of at most 96: 64 and 64, not 96
+ * and 32; SmolLM2-360M's down projection, 2560 → 960 bf16, took 297-312 µs
+ * against 314-335) and the last holds what is left (65 rows in panels of at
+ * most 64: 64 and 1). Rounded up, no panel holds more than kw__lin_panel_rows.
+ * No rows, no panel. */
 static inline int64_t kw__lin_panels(const kw__lin *g) {
     const int64_t most = kw__lin_panel_rows(g);
-    return (g->M + most - 1) / most;
+    return g->M > 0 ? (g->M + most - 1) / most : 0;
 }
 
 static inline int64_t kw__lin_panel_start(const kw__lin *g, int64_t p) {
