@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kwker import _C
+from kwker import _C, weights
 from kwker.custom_ops import ops
 
 F32 = torch.float32
@@ -227,6 +227,44 @@ def test_a_source_written_again_after_its_refresh_armed_it_is_read_as_copied_and
     assert len(refreshes) == 4
     plan(x, source)
     assert len(refreshes) == 4
+
+
+def test_a_plan_sharing_a_copy_that_another_refresh_is_packing_waits_for_it_whole(monkeypatch):
+    """Plans of two sizes of one graph share a copy (WeightArena.kept). While one
+    packs it again after a write, the other's check must not take the rearmed,
+    clean-looking watch for a fresh copy: here the first refresh has zeroed the
+    copy when the second plan is called (as from another thread); before, it
+    read the zeros."""
+    source = torch.randn(4096, 4)
+    copied = weights.make_copy("copy", ["w"], [source], weights.Storage(F32, 0))
+    group = weights.CopiedWeights([copied], {"w": 1})
+
+    def plan_over_copy(rows):
+        b = _C.PlanBuilder()
+        x = b.input("x", F32, (rows, 4))
+        out = b.output_buffer("out", F32, (rows, 4096))
+        b.op("linear", [_contig(b, out, (rows, 4096)), _contig(b, x, (rows, 4)),
+                        _contig(b, b.constant(copied.copy, "copy"), (4096, 4))])
+        b.output(_contig(b, out, (rows, 4096)))
+        plan = b.finish(1, n_args=2)
+        plan.watch(group.watched(), lambda args: None if group.refresh(args) else 1 / 0)
+        return plan
+
+    one, two = plan_over_copy(1), plan_over_copy(2)
+    x1, x2 = torch.randn(1, 4), torch.randn(2, 4)
+    real_fill, seen = weights.fill_copy, []
+
+    def fill_copy(copy, sources, storage, scratch=None):
+        if not seen:
+            seen.append(None)
+            copy.zero_()  # half made
+            seen.append(two(x2, source)[0].clone())
+        real_fill(copy, sources, storage, scratch)
+
+    monkeypatch.setattr(weights, "fill_copy", fill_copy)
+    source.data.mul_(2.0)
+    torch.testing.assert_close(one(x1, source)[0], x1 @ source.T)
+    torch.testing.assert_close(seen[1], x2 @ source.T)
 
 
 def test_a_source_replaced_or_relaid_is_refreshed_and_a_refresh_may_return_a_new_plan():
