@@ -63,6 +63,8 @@ unsigned kw_watch_arms(const kw_watch *w);
  * check, which rearming made clean, does not take a half-made copy for a
  * fresh one. */
 void kw_watch_filling(kw_watch *w, int on);
+/* 1 between a kw_watch_filling on and its off. */
+int kw_watch_is_filling(const kw_watch *w);
 
 /* The watched range. */
 const void *kw_watch_data(const kw_watch *w);

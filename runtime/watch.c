@@ -349,6 +349,8 @@ unsigned kw_watch_arms(const kw_watch *w) { return w->arms; }
 
 void kw_watch_filling(kw_watch *w, int on) { atomic_fetch_add(&w->filling, on ? 1 : -1); }
 
+int kw_watch_is_filling(const kw_watch *w) { return atomic_load(&w->filling) != 0; }
+
 const void *kw_watch_data(const kw_watch *w) { return w->data; }
 size_t kw_watch_bytes(const kw_watch *w) { return w->bytes; }
 size_t kw_watch_protected_bytes(const kw_watch *w) { return w->bytes - w->head - w->tail; }
