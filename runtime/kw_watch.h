@@ -58,13 +58,6 @@ int kw_watch_rearm(kw_watch *w);
  * that reports changed and was armed since a moment was written after that
  * arming, not only before it. */
 unsigned kw_watch_arms(const kw_watch *w);
-/* Marks a copy of the memory being made (on) or made (off; each on is matched
- * by one off): in between kw_watch_changed reports 1, so that another thread's
- * check, which rearming made clean, does not take a half-made copy for a
- * fresh one. */
-void kw_watch_filling(kw_watch *w, int on);
-/* 1 between a kw_watch_filling on and its off. */
-int kw_watch_is_filling(const kw_watch *w);
 
 /* The watched range. */
 const void *kw_watch_data(const kw_watch *w);

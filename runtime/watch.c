@@ -64,7 +64,6 @@ struct kw_watch {
     size_t head, tail; /* bytes before the first protected page, after the last */
     unsigned char *snapshot; /* head bytes, then tail bytes */
     unsigned arms;           /* kw_watch_arms */
-    atomic_int filling;      /* kw_watch_filling */
 };
 
 static uintptr_t page_size(void) {
@@ -322,7 +321,6 @@ void kw_watch_free(kw_watch *w) {
 }
 
 int kw_watch_changed(const kw_watch *w) {
-    if (atomic_load(&w->filling)) return 1;
     if (w->entry >= 0 && atomic_load(&regions[w->entry].changed)) return 1;
     return memcmp(w->snapshot, w->data, w->head) != 0 ||
            memcmp(w->snapshot + w->head, w->data + w->bytes - w->tail, w->tail) != 0;
@@ -346,10 +344,6 @@ int kw_watch_rearm(kw_watch *w) {
 }
 
 unsigned kw_watch_arms(const kw_watch *w) { return w->arms; }
-
-void kw_watch_filling(kw_watch *w, int on) { atomic_fetch_add(&w->filling, on ? 1 : -1); }
-
-int kw_watch_is_filling(const kw_watch *w) { return atomic_load(&w->filling) != 0; }
 
 const void *kw_watch_data(const kw_watch *w) { return w->data; }
 size_t kw_watch_bytes(const kw_watch *w) { return w->bytes; }

@@ -36,7 +36,6 @@ place (contents unchanged).
 """
 
 import math
-import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -265,39 +264,21 @@ class CopiedWeight:
     storage: Storage
     copy: torch.Tensor
     watches: list = field(default_factory=list)  # a kwker._C.Watch per source
-    # Held while the copy is packed again: plans of other sizes of a graph share
-    # the copy (WeightArena.kept), and may be called from other threads.
-    lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)
 
     def refresh(self, tensors: list[torch.Tensor]) -> bool:
         """Packs the copy again from tensors (the sources' current values, of
         the dtypes and shapes watched: plan._Refresh checks), watching them
         afresh first; False when it cannot be made the same way (no longer
-        bf16-valued): the plan is rebuilt then. Until the copy is whole its
-        watches report changed (Watch.filling): rearmed, they would look clean
-        to another thread's plan, which would read the half-made copy; that
-        plan's refresh waits here instead, and finds the copy fresh."""
-        with self.lock:
-            if all(w.matches(t) for w, t in zip(self.watches, tensors)):
-                return True  # packed by another thread's refresh while this one waited
-            if self.storage.dtype != copy_dtype(tensors) and self.storage.dtype == torch.bfloat16:
-                return False
-            filling = list(self.watches)
-            for w in filling:
-                w.filling(True)
-            try:
-                for i, t in enumerate(tensors):
-                    if self.watches[i].moved(t):  # param.data = other, or its storage freed and allocated again
-                        self.watches[i] = _C.Watch(t)
-                        filling.append(self.watches[i])
-                        self.watches[i].filling(True)
-                    else:
-                        self.watches[i].rearm()  # the same memory, written: watch afresh, then copy
-                fill_copy(self.copy, tensors, self.storage)
-            finally:
-                for w in filling:
-                    w.filling(False)
-            return True
+        bf16-valued): the plan is rebuilt then."""
+        if self.storage.dtype != copy_dtype(tensors) and self.storage.dtype == torch.bfloat16:
+            return False
+        for i, t in enumerate(tensors):
+            if self.watches[i].moved(t):  # param.data = other, or its storage freed and allocated again
+                self.watches[i] = _C.Watch(t)
+            else:
+                self.watches[i].rearm()  # the same memory, written: watch afresh, then copy
+        fill_copy(self.copy, tensors, self.storage)
+        return True
 
 
 class CopiedWeights:

@@ -51,13 +51,6 @@ Test(watch, a_write_to_a_whole_page_is_seen_and_rearm_starts_afresh) {
         cr_expect_eq(kw_watch_rearm(w), 0);
         cr_expect_eq(kw_watch_changed(w), 0);
     }
-    kw_watch_filling(w, 1); /* a copy being made: changed until it is whole, nested or not */
-    kw_watch_filling(w, 1);
-    cr_expect_eq(kw_watch_changed(w), 1);
-    kw_watch_filling(w, 0);
-    cr_expect(kw_watch_changed(w) && kw_watch_is_filling(w));
-    kw_watch_filling(w, 0);
-    cr_expect(!kw_watch_changed(w) && !kw_watch_is_filling(w));
     kw_watch_free(w);
 }
 

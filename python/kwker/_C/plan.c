@@ -312,8 +312,8 @@ static kw__armed *arms_now(const kw__state *s, int *n) {
 
 /* 1 when every source that differs is a memory that the last refresh armed
  * again (its count grew from `before`) and that was written after: no source
- * moved, no value differs, no memory was left as it was, and no copy of one is
- * being packed again (by another plan sharing it). 0; -1 with an exception. */
+ * moved, no value differs, no memory was left as it was. 0; -1 with an
+ * exception. */
 static int written_since_armed(const kw__state *s, PyObject *const *args, const kw__armed *before, int n_before) {
     for (int i = 0; i < s->n_src; i++) {
         const struct kw__watched *w = &s->src[i];
@@ -321,7 +321,6 @@ static int written_since_armed(const kw__state *s, PyObject *const *args, const 
         if (moved) return moved < 0 ? -1 : 0;
         const struct kw_watch *m = w->watch ? kw__watch_memory(w->watch) : NULL;
         if (!m || !kw_watch_changed(m)) continue;
-        if (kw_watch_is_filling(m)) return 0;
         int j = 0;
         while (j < n_before && before[j].w != m) j++;
         if (j == n_before || kw_watch_arms(m) == before[j].arms) return 0;

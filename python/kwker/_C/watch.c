@@ -88,14 +88,6 @@ static PyObject *watch_rearm(PyObject *self_, PyObject *unused) {
     Py_RETURN_NONE;
 }
 
-static PyObject *watch_filling(PyObject *self_, PyObject *on) {
-    WatchObject *self = (WatchObject *)self_;
-    const int truth = PyObject_IsTrue(on);
-    if (truth < 0) return NULL;
-    if (self->w) kw_watch_filling(self->w, truth);
-    Py_RETURN_NONE;
-}
-
 static PyObject *watch_matches(PyObject *self, PyObject *tensor) {
     const int changed = kw__watch_changed(self, tensor);
     return changed < 0 ? NULL : PyBool_FromLong(!changed);
@@ -142,9 +134,6 @@ static PyMethodDef watch_methods[] = {
      "front of one installed after it (faulthandler.enable() called late), as a plan's call does."},
     {"rearm", watch_rearm, METH_NOARGS,
      "rearm(): watch afresh from now on. Copy the memory only after this: a write in between is then seen."},
-    {"filling", watch_filling, METH_O,
-     "filling(on): a copy of the memory is being made (True) or made (False; one for each True): in between\n"
-     "the watch reports changed, so that no plan reads a half-made copy as fresh."},
     {"moved", watch_moved, METH_O,
      "moved(tensor) -> bool: tensor is not at the watched address with the watched layout and Python type. The\n"
      "watched alias cannot tell: it shares the storage, whose memory untyped_storage().resize_() replaces."},
