@@ -58,6 +58,9 @@ int kw_watch_rearm(kw_watch *w);
  * that reports changed and was armed since a moment was written after that
  * arming, not only before it. */
 unsigned kw_watch_arms(const kw_watch *w);
+/* Reports changed from now until the next kw_watch_rearm: the copy made since
+ * the last arming is not whole (its making failed), so it must be made again. */
+void kw_watch_invalidate(kw_watch *w);
 
 /* The watched range. */
 const void *kw_watch_data(const kw_watch *w);

@@ -64,6 +64,7 @@ struct kw_watch {
     size_t head, tail; /* bytes before the first protected page, after the last */
     unsigned char *snapshot; /* head bytes, then tail bytes */
     unsigned arms;           /* kw_watch_arms */
+    atomic_int invalid;      /* kw_watch_invalidate, until the next arming */
 };
 
 static uintptr_t page_size(void) {
@@ -321,6 +322,7 @@ void kw_watch_free(kw_watch *w) {
 }
 
 int kw_watch_changed(const kw_watch *w) {
+    if (atomic_load(&w->invalid)) return 1;
     if (w->entry >= 0 && atomic_load(&regions[w->entry].changed)) return 1;
     return memcmp(w->snapshot, w->data, w->head) != 0 ||
            memcmp(w->snapshot + w->head, w->data + w->bytes - w->tail, w->tail) != 0;
@@ -337,6 +339,7 @@ void kw_watch_prefetch(const kw_watch *w) {
 }
 
 int kw_watch_rearm(kw_watch *w) {
+    atomic_store(&w->invalid, 0);
     const int rc = protect(w);
     take_snapshot(w);
     w->arms++;
@@ -344,6 +347,8 @@ int kw_watch_rearm(kw_watch *w) {
 }
 
 unsigned kw_watch_arms(const kw_watch *w) { return w->arms; }
+
+void kw_watch_invalidate(kw_watch *w) { atomic_store(&w->invalid, 1); }
 
 const void *kw_watch_data(const kw_watch *w) { return w->data; }
 size_t kw_watch_bytes(const kw_watch *w) { return w->bytes; }

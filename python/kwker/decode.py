@@ -88,7 +88,9 @@ class StepPerSizes:
         plan, self.detail = compile_decode_plan(gm, args, glue, self.kept)
         self.plans = {tuple(args[i] for i in self.sizes): plan}  # in order of use, the latest last
         self.last = plan
-        self.lock = threading.Lock()  # a call compiling a plan must not drop the one another thread replays
+        # One call at a time: a call compiling a plan must not drop the one another thread
+        # replays, and a plan's refresh packs again the copies the others read.
+        self.lock = threading.Lock()
 
     def __call__(self, *args):
         key = tuple(args[i] for i in self.sizes)

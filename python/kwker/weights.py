@@ -269,15 +269,22 @@ class CopiedWeight:
         """Packs the copy again from tensors (the sources' current values, of
         the dtypes and shapes watched: plan._Refresh checks), watching them
         afresh first; False when it cannot be made the same way (no longer
-        bf16-valued): the plan is rebuilt then."""
+        bf16-valued): the plan is rebuilt then. Where the packing fails on the
+        way (an interrupt, no memory), the watches report changed until the next
+        refresh: rearmed, they would have passed the half-made copy as fresh."""
         if self.storage.dtype != copy_dtype(tensors) and self.storage.dtype == torch.bfloat16:
             return False
-        for i, t in enumerate(tensors):
-            if self.watches[i].moved(t):  # param.data = other, or its storage freed and allocated again
-                self.watches[i] = _C.Watch(t)
-            else:
-                self.watches[i].rearm()  # the same memory, written: watch afresh, then copy
-        fill_copy(self.copy, tensors, self.storage)
+        try:
+            for i, t in enumerate(tensors):
+                if self.watches[i].moved(t):  # param.data = other, or its storage freed and allocated again
+                    self.watches[i] = _C.Watch(t)
+                else:
+                    self.watches[i].rearm()  # the same memory, written: watch afresh, then copy
+            fill_copy(self.copy, tensors, self.storage)
+        except BaseException:
+            for w in self.watches:
+                w.invalidate()
+            raise
         return True
 
 

@@ -51,6 +51,10 @@ Test(watch, a_write_to_a_whole_page_is_seen_and_rearm_starts_afresh) {
         cr_expect_eq(kw_watch_rearm(w), 0);
         cr_expect_eq(kw_watch_changed(w), 0);
     }
+    kw_watch_invalidate(w); /* a copy not whole: changed until armed again */
+    cr_expect_eq(kw_watch_changed(w), 1);
+    cr_expect_eq(kw_watch_rearm(w), 0);
+    cr_expect_eq(kw_watch_changed(w), 0);
     kw_watch_free(w);
 }
 

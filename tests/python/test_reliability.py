@@ -108,6 +108,28 @@ def test_conv1d_weights_copied_as_their_transpose_are_read_fresh_after_an_edit(b
     assert kinds() == ["decode-replay"], kwker.report()
 
 
+def test_a_copy_whose_packing_failed_on_the_way_is_packed_again_at_the_next_call(monkeypatch):
+    """An interrupt or an allocation failing while a refresh packs a copy: the
+    watches were rearmed already, and the next call read the half-made copy as
+    fresh (a review found it); now it packs it again."""
+    model = small_model("llama")
+    config = kwker.compile_config()
+    assert_same_tokens(model, config)
+    before = greedy(model)
+    model.model.layers[0].mlp.down_proj.weight.data.mul_(-4.0)
+    model.lm_head.weight.data.mul_(-1.0)  # bf16-exact
+    assert greedy(model) != before
+
+    def interrupted(copy, sources, storage, scratch=None):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patch:
+        patch.setattr(kwker.weights, "fill_copy", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            greedy(model, config)
+    assert_same_tokens(model, config)
+
+
 def _mapped_again(t: torch.Tensor) -> torch.Tensor:
     """t's shared memory through a second mapping of its own, as another process
     sees it: a write there never touches this process's mapping of t."""

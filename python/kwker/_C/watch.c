@@ -88,6 +88,12 @@ static PyObject *watch_rearm(PyObject *self_, PyObject *unused) {
     Py_RETURN_NONE;
 }
 
+static PyObject *watch_invalidate(PyObject *self_, PyObject *unused) {
+    WatchObject *self = (WatchObject *)self_;
+    if (self->w) kw_watch_invalidate(self->w);
+    Py_RETURN_NONE;
+}
+
 static PyObject *watch_matches(PyObject *self, PyObject *tensor) {
     const int changed = kw__watch_changed(self, tensor);
     return changed < 0 ? NULL : PyBool_FromLong(!changed);
@@ -134,6 +140,8 @@ static PyMethodDef watch_methods[] = {
      "front of one installed after it (faulthandler.enable() called late), as a plan's call does."},
     {"rearm", watch_rearm, METH_NOARGS,
      "rearm(): watch afresh from now on. Copy the memory only after this: a write in between is then seen."},
+    {"invalidate", watch_invalidate, METH_NOARGS,
+     "invalidate(): report changed until the next rearm(): the copy made since the last one is not whole."},
     {"moved", watch_moved, METH_O,
      "moved(tensor) -> bool: tensor is not at the watched address with the watched layout and Python type. The\n"
      "watched alias cannot tell: it shares the storage, whose memory untyped_storage().resize_() replaces."},
