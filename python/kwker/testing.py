@@ -1,6 +1,10 @@
 """Random-weight language models built from transformers configs, for kwker's
 token-equality tests and benchmarks. Nothing is downloaded: the configs are
-written out here, shaped like the checkpoints they are named after."""
+written out here, shaped like the checkpoints they are named after. And a
+second mapping of a shared tensor's memory, through which tests write as
+another process does."""
+
+import mmap
 
 import torch
 
@@ -108,3 +112,14 @@ def small_model(arch: str, dtype=torch.float32, seed=0, config: dict | None = No
 def bench_model(name: str, dtype=torch.float32, seed=0):
     config_class, kwargs = BENCH_CONFIGS[name]
     return random_model(make_config(config_class, **kwargs), dtype=dtype, seed=seed)
+
+
+def mapped_again(t: torch.Tensor) -> torch.Tensor:
+    """t's shared memory (t.share_memory_()) through a second mapping of its
+    own, as another process sees it: a write there never touches this
+    process's mapping of t."""
+    fd, size = t.untyped_storage()._share_fd_cpu_()
+    mapping = mmap.mmap(fd, size)
+    again = torch.frombuffer(mapping, dtype=t.dtype, count=t.numel()).view(t.shape)
+    assert again.data_ptr() != t.data_ptr()
+    return again

@@ -2,7 +2,6 @@
 constants kwker watches, never read stale."""
 
 import gc
-import mmap
 
 import pytest
 import torch
@@ -14,6 +13,7 @@ from kwker import summary
 from kwker import weights
 from kwker.freeze import (FrozenGraph, _convolutions_in_float32, _fold_batch_norms, _model_tensor, _with_constants,
                           cannot_win)
+from kwker.testing import mapped_again
 
 pytestmark = pytest.mark.usefixtures("fresh_compile_state")
 
@@ -296,9 +296,7 @@ def test_a_model_in_memory_shared_with_other_processes_gets_no_frozen_candidate(
         torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-5)
         (graph,) = summary.graphs()
         assert "shared with other processes" in graph.left_out.get("frozen", ""), kwker.report()
-        fd, size = model.conv.weight.untyped_storage()._share_fd_cpu_()
-        again = torch.frombuffer(mmap.mmap(fd, size), dtype=torch.float32, count=model.conv.weight.numel())
-        again.mul_(2)  # through a mapping of its own, as another process writes
+        mapped_again(model.conv.weight).mul_(2)  # as another process writes
         torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-5)
 
 

@@ -3,7 +3,6 @@ share a step between threads, edit weights any way PyTorch allows, load another
 model, change dtypes, run out of cache — gives eager's tokens, or hands the
 graph to Inductor with the reason, or raises what eager raises."""
 
-import mmap
 import threading
 import warnings
 
@@ -13,7 +12,7 @@ from transformers import StaticCache
 
 import kwker
 from kwker import summary
-from kwker.testing import _SMALL, make_config, random_model, small_model
+from kwker.testing import _SMALL, make_config, mapped_again, random_model, small_model
 
 pytestmark = pytest.mark.usefixtures("fresh_compile_state")
 
@@ -130,16 +129,6 @@ def test_a_copy_whose_packing_failed_on_the_way_is_packed_again_at_the_next_call
     assert_same_tokens(model, config)
 
 
-def _mapped_again(t: torch.Tensor) -> torch.Tensor:
-    """t's shared memory through a second mapping of its own, as another process
-    sees it: a write there never touches this process's mapping of t."""
-    fd, size = t.untyped_storage()._share_fd_cpu_()
-    mapping = mmap.mmap(fd, size)
-    again = torch.frombuffer(mapping, dtype=t.dtype, count=t.numel()).view(t.shape)
-    assert again.data_ptr() != t.data_ptr()
-    return again
-
-
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "mixtral"])  # stacked, transposed, experts' copies
 def test_weights_shared_with_other_processes_are_read_as_stored_and_another_processs_write_is_seen(arch):
     """share_memory() (Hogwild training in workers, evaluation in the main
@@ -152,7 +141,7 @@ def test_weights_shared_with_other_processes_are_read_as_stored_and_another_proc
     before = greedy(model)
     for name, p in model.named_parameters():
         if p.dim() >= 2 and "wte" not in name and "embed" not in name:
-            again = _mapped_again(p)
+            again = mapped_again(p)
             again.copy_((again * -3.0).bfloat16().float())  # bf16-exact, as another process's write
     assert greedy(model) != before  # the writes decide the tokens
     assert_same_tokens(model, config)
