@@ -39,6 +39,7 @@
 #include "kw_pool.h"
 
 static int g_quick;
+static int g_threads = 1; /* the pool's: calls are prepared for it, as a plan's */
 
 static double now_s(void) {
     struct timespec ts;
@@ -179,6 +180,7 @@ static double read_bandwidth(kw_pool *pool, int reps) {
  * benchmark's calls live as long as the process). */
 static void check_call(kw_op_id op, kw_call *c) {
     char msg[256];
+    c->n_threads = g_threads;
     if (kw_op_prepare(op, c, kw_cpu_isa(), alloc_or_die(kw_op_prep_size(op)), msg, sizeof msg)) {
         fprintf(stderr, "ops_bench: %s\n", msg);
         exit(1);
@@ -469,8 +471,9 @@ static void crossover(kw_pool *pool, kw_dtype dt, kw_dtype lin_wt, const char *k
             if (B) packed[i].t[2] = (kw_tensor){p, lin_wt, 3, {sh[i].k / B, sh[i].n, B}, {sh[i].n * B, B, 1}};
             check_call(KW_OP_LINEAR, &packed[i]);
             p += (size_t)(sh[i].n * sh[i].k) * kw_dtype_size(dt);
-            const size_t s = work_of(KW_OP_LINEAR, &packed[i]);
+            const size_t s = work_of(KW_OP_LINEAR, &packed[i]), sd = dnnl ? work_of(KW_OP_MATMUL_DNNL, c) : 0;
             ws = s > ws ? s : ws;
+            ws = sd > ws ? sd : ws;
         }
         ws = (ws + 63) / 64 * 64;
         void *work = ws ? alloc_or_die(ws * (size_t)kw_pool_size(pool)) : NULL;
@@ -592,6 +595,7 @@ int main(int argc, char **argv) {
         }
     }
     if (threads < 1) threads = (int)sysconf(_SC_NPROCESSORS_ONLN);
+    g_threads = threads;
     const char *problems = kw_cpu_env_problems();
     if (problems) fprintf(stderr, "ops_bench: %s\n", problems);
     kw_pool *pool = kw_pool_create(threads), *solo = kw_pool_create(1);

@@ -101,15 +101,15 @@ static kw_tensor bound_tensor(const kw__view *v, void *data) {
 /* The op's own rules for one call, and its preparation: parameter counts,
  * required tensors, its prepare function (into prep, zeroed, prep_size bytes);
  * *work gets its per-thread scratch. msg gets the problem. */
-static int check_op_call(const kw_builder *b, const kw__bstep *s, int isa, void *prep, size_t *work, char *msg,
-                         size_t len) {
+static int check_op_call(const kw_builder *b, const kw__bstep *s, int isa, int n_threads, void *prep, size_t *work,
+                         char *msg, size_t len) {
     const kw_op_info *info = kw_op_get((kw_op_id)s->op);
     if (s->n_ip != info->n_ip || s->n_fp != info->n_fp) {
         snprintf(msg, len, "takes %d int and %d float parameters, got %d and %d", info->n_ip, info->n_fp, s->n_ip,
                  s->n_fp);
         return KW_EINVAL;
     }
-    kw_call call = {0};
+    kw_call call = {.n_threads = n_threads};
     for (int k = 0; k < info->n_tensors; k++) {
         if (s->views[k] < 0) {
             if (!info->arg[k].optional) {
@@ -136,11 +136,12 @@ static int check_op_call(const kw_builder *b, const kw__bstep *s, int isa, void 
 }
 
 /* A step's preparation, in memory of its own (freed by free_preps). */
-static int prepare_kernel_step(const kw_builder *b, int i, int isa, void **prep, size_t *work, char *msg, size_t len) {
+static int prepare_kernel_step(const kw_builder *b, int i, int isa, int n_threads, void **prep, size_t *work, char *msg,
+                               size_t len) {
     char text[KW__MSG] = "";
     *prep = calloc(1, kw_op_prep_size((kw_op_id)b->steps[i].op));
     if (!*prep) return KW_ENOMEM;
-    const int rc = check_op_call(b, &b->steps[i], isa, *prep, work, text, sizeof text);
+    const int rc = check_op_call(b, &b->steps[i], isa, n_threads, *prep, work, text, sizeof text);
     return rc ? step_fail(b, i, msg, len, rc, "%s", text) : 0;
 }
 
@@ -185,7 +186,7 @@ int kw_builder_check_op(const kw_builder *b, int op, const int *views, int n_vie
     for (int k = 0; !rc && k < n_fp; k++) s.fp[k] = fp[k];
     size_t work;
     if (!rc) {
-        rc = check_op_call(b, &s, (int)kw_cpu_isa(), prep, &work, text, sizeof text);
+        rc = check_op_call(b, &s, (int)kw_cpu_isa(), 1, prep, &work, text, sizeof text);
         if (!rc && info->release) info->release(prep);
     }
     free(prep);
@@ -194,9 +195,9 @@ int kw_builder_check_op(const kw_builder *b, int op, const int *views, int n_vie
 }
 
 /* Every step in program order, so the first problem reported is the first one
- * a replay would hit. Kernel step i is prepared for `isa` into preps[i];
+ * a replay would hit. Kernel step i is prepared for `isa` and n_threads into preps[i];
  * work[i] gets its per-thread scratch. */
-static int validate(const kw_builder *b, int isa, void **preps, size_t *work, char *msg, size_t len) {
+static int validate(const kw_builder *b, int isa, int n_threads, void **preps, size_t *work, char *msg, size_t len) {
     char *written = calloc((size_t)b->n_buffers + 1, 1);
     if (!written) return KW_ENOMEM;
     int rc = 0;
@@ -216,7 +217,7 @@ static int validate(const kw_builder *b, int isa, void **preps, size_t *work, ch
                                tensor_name(s, k, name, sizeof name), kw_buffer_kind_name(buf->kind), buf->name);
         }
         if (!rc) rc = check_aliasing(b, i, msg, len);
-        if (!rc && s->op >= 0) rc = prepare_kernel_step(b, i, isa, &preps[i], &work[i], msg, len);
+        if (!rc && s->op >= 0) rc = prepare_kernel_step(b, i, isa, n_threads, &preps[i], &work[i], msg, len);
         for (int k = 0; k < s->n_views && !rc; k++)
             if (s->views[k] >= 0 && writes(s->access[k])) written[b->views[s->views[k]].buffer] = 1;
     }
@@ -535,7 +536,7 @@ int kw_builder_finish(kw_builder *b, const kw_finish_opts *opts, kw_plan **out, 
     void **preps = calloc((size_t)b->n_steps + 1, sizeof *preps);
     kw_plan *p = calloc(1, sizeof *p);
     int rc = work && preps && p ? 0 : KW_ENOMEM;
-    if (!rc) rc = validate(b, o.isa, preps, work, msg, msg_len);
+    if (!rc) rc = validate(b, o.isa, o.n_threads, preps, work, msg, msg_len);
     if (!rc) {
         p->n_threads = o.n_threads;
         p->isa = o.isa;

@@ -105,6 +105,9 @@ typedef struct kw_call {
     void *share;
     kw_fault *fault;  /* where an index out of range is reported; NULL: nowhere */
     const void *prep; /* what the op's prepare made of this call (kw_op_info.prepare) */
+    /* The threads a prepare may split the call for (a plan's); a kernel still
+     * runs correctly on any other count (0: one). */
+    int n_threads;
 } kw_call;
 
 /* Every thread of the pool calls the kernel with its own (ith, nth) and does its

@@ -9,41 +9,73 @@
  * reads it through its strides; linear's kernels cannot, so under the scalar
  * reference such a call runs the plain loop of matmul_dnnl_kn_scalar.
  *
- * Prepared once: the primitive for this shape and its memory objects are made
- * when the plan is finished (a failure there is the step's error, never a
- * fallback at replay), owned by the step and released with the plan. Each
- * replay rebinds the memory objects to the call's pointers. A plan runs one
- * call at a time, so no lock is needed around them.
+ * Prepared once: the weight's columns are cut into one slice per thread the
+ * call is prepared for (kw_call.n_threads), each with its primitive and memory
+ * objects, made when the plan is finished (a failure there is the step's error,
+ * never a fallback at replay), owned by the step and released with the plan.
+ * Each replay rebinds the memory objects to the call's pointers.
  *
- * Debian's oneDNN runs on OpenMP. Thread 0 of the pool makes the call and the
- * other pool threads return at once and wait at the next barrier, where they
- * spin briefly and then sleep: OpenMP gets the cores. oneDNN picks its own ISA
- * (ONEDNN_MAX_CPU_ISA caps it); under a plan capped at the scalar reference the
- * op runs linear's scalar kernel instead. */
+ * Each thread of the pool runs its own slices, and runs them on itself alone:
+ * Debian's oneDNN runs on OpenMP, and a call handed to its threads left them
+ * spinning (GOMP_SPINCOUNT) on the cores kwker's pool needed for the steps
+ * after it. A 256 -> 512 -> 512 -> 64 float32 MLP at batch 8, three oneDNN
+ * matmuls between two GELUs, took 0.13-0.47 ms a call that way against 0.08-0.11
+ * with linear alone (2-vCPU Intel Xeon), its pool worker on the core of the
+ * OpenMP thread with thousands of involuntary context switches. So oneDNN is
+ * told to use one thread (OpenMP's per-thread nthreads-var, set around the
+ * primitive's creation and each execution and put back after: PyTorch's
+ * calling thread keeps its own), and no OpenMP thread ever runs for kwker.
+ * Where a plan runs on fewer threads than it was prepared for, a thread runs
+ * more than one slice; its scratchpad (oneDNN's, in user mode) is the
+ * thread's scratch. oneDNN picks its own ISA (ONEDNN_MAX_CPU_ISA caps it);
+ * under a plan capped at the scalar reference the op runs linear's scalar
+ * kernel instead. */
+#include <omp.h>
 #include <oneapi/dnnl/dnnl.h>
+#include <stdlib.h>
+#include <string.h>
 
 #include "linear.h"
 
-typedef struct kw__dnnl {
-    kw__lin lin; /* linear's preparation: its kernel runs the call when prim is NULL */
-    int64_t wk;  /* a [K, N] weight's K stride (its view's strides are (1, wk)); 0: [N, K] rows */
-    int bias;
-    dnnl_engine_t engine;
+#if DNNL_CPU_THREADING_RUNTIME != DNNL_RUNTIME_OMP
+#error "matmul_dnnl sets OpenMP's thread count for oneDNN: it needs a oneDNN built on OpenMP (Debian's)"
+#endif
+
+/* One thread's share of the weight's columns [n0, n0 + n): its primitive and the
+ * memory objects its execution binds (each slice its own: threads rebind theirs
+ * at the same time). */
+typedef struct kw__dnnl_slice {
+    int64_t n0, n;
+    int staged; /* y's columns are written to the thread's scratch first, rows n apart, then copied */
     dnnl_stream_t stream;
     dnnl_primitive_t prim;
-    dnnl_memory_t src, wei, bias_mem, dst;
+    dnnl_memory_t src, wei, bias, dst, scratch;
+} kw__dnnl_slice;
+
+typedef struct kw__dnnl {
+    kw__lin lin; /* linear's preparation: its kernel runs the call when there are no slices */
+    int64_t wk;  /* a [K, N] weight's K stride (its view's strides are (1, wk)); 0: [N, K] rows */
+    int bias;
+    int n_slices;
+    size_t scratchpad; /* the largest slice's scratchpad, bytes (a multiple of 64) */
+    size_t staging;    /* the largest staged slice's y, bytes */
+    dnnl_engine_t engine;
+    kw__dnnl_slice *slices;
 } kw__dnnl;
 
 static void matmul_dnnl_release(void *prep) {
     kw__dnnl *p = prep;
-    if (p->prim) dnnl_primitive_destroy(p->prim);
-    if (p->src) dnnl_memory_destroy(p->src);
-    if (p->wei) dnnl_memory_destroy(p->wei);
-    if (p->bias_mem) dnnl_memory_destroy(p->bias_mem);
-    if (p->dst) dnnl_memory_destroy(p->dst);
-    if (p->stream) dnnl_stream_destroy(p->stream);
+    for (int i = 0; p->slices && i < p->n_slices; i++) {
+        kw__dnnl_slice *s = &p->slices[i];
+        if (s->prim) dnnl_primitive_destroy(s->prim);
+        dnnl_memory_t mems[] = {s->src, s->wei, s->bias, s->dst, s->scratch};
+        for (size_t m = 0; m < sizeof mems / sizeof *mems; m++)
+            if (mems[m]) dnnl_memory_destroy(mems[m]);
+        if (s->stream) dnnl_stream_destroy(s->stream);
+    }
+    free(p->slices);
     if (p->engine) dnnl_engine_destroy(p->engine);
-    p->prim = NULL, p->src = p->wei = p->bias_mem = p->dst = NULL, p->stream = NULL, p->engine = NULL;
+    p->slices = NULL, p->n_slices = 0, p->engine = NULL;
 }
 
 typedef struct kw__dnnl_descs {
@@ -52,39 +84,81 @@ typedef struct kw__dnnl_descs {
 
 /* A matmul of an M × K x (rows xs apart) by a K × N weight (strides wk, wn)
  * into an M × N y (rows ys apart), plus a [1, N] bias where `bias`, all of
- * dtype dt: its memory descriptors, and in *pd the primitive descriptor oneDNN
- * chose (nonzero where it has none: no such matmul on this CPU). */
+ * dtype dt, with the scratchpad left to the caller where `attr`: its memory
+ * descriptors, and in *pd the primitive descriptor oneDNN chose (nonzero where
+ * it has none: no such matmul on this CPU). */
 static int describe(dnnl_engine_t engine, dnnl_data_type_t dt, int64_t M, int64_t N, int64_t K, int64_t xs,
-                    int64_t wk, int64_t wn, int64_t ys, int bias, kw__dnnl_descs *d, dnnl_primitive_desc_t *pd) {
+                    int64_t wk, int64_t wn, int64_t ys, int bias, const_dnnl_primitive_attr_t attr,
+                    kw__dnnl_descs *d, dnnl_primitive_desc_t *pd) {
     dnnl_matmul_desc_t md;
     return dnnl_memory_desc_init_by_strides(&d->src, 2, (dnnl_dims_t){M, K}, dt, (dnnl_dims_t){xs, 1}) ||
            dnnl_memory_desc_init_by_strides(&d->wei, 2, (dnnl_dims_t){K, N}, dt, (dnnl_dims_t){wk, wn}) ||
            dnnl_memory_desc_init_by_strides(&d->bias, 2, (dnnl_dims_t){1, N}, dt, (dnnl_dims_t){N, 1}) ||
            dnnl_memory_desc_init_by_strides(&d->dst, 2, (dnnl_dims_t){M, N}, dt, (dnnl_dims_t){ys, 1}) ||
            dnnl_matmul_desc_init(&md, &d->src, &d->wei, bias ? &d->bias : NULL, &d->dst) ||
-           dnnl_primitive_desc_create(pd, &md, NULL, engine, NULL);
+           dnnl_primitive_desc_create(pd, &md, attr, engine, NULL);
 }
 
-/* The primitive for g's shape, dtypes and strides, and its memory objects. */
-static int make_primitive(kw__dnnl *p, const kw__lin *g) {
+/* Columns [s->n0, s->n0 + s->n) of the weight as slice s's primitive and
+ * memory objects; *scratch gets its scratchpad's bytes. */
+static int make_slice(kw__dnnl *p, const kw__lin *g, const_dnnl_primitive_attr_t attr, kw__dnnl_slice *s,
+                      size_t *scratch) {
     /* The weight as a K × N matrix: PyTorch's [N, K] rows have strides (1, ws); a
      * [K, N] matrix read as stored, (wk, 1). */
     const int64_t wk_stride = p->wk ? p->wk : 1, wn_stride = p->wk ? 1 : g->ws;
     kw__dnnl_descs d;
     dnnl_primitive_desc_t pd;
-    if (dnnl_engine_create(&p->engine, dnnl_cpu, 0) ||
-        dnnl_stream_create(&p->stream, p->engine, dnnl_stream_default_flags) ||
-        describe(p->engine, g->xt == KW_BF16 ? dnnl_bf16 : dnnl_f32, g->M, g->n_total, g->K, g->xs, wk_stride,
-                 wn_stride, g->out[0].ys, p->bias, &d, &pd))
+    if (dnnl_stream_create(&s->stream, p->engine, dnnl_stream_default_flags) ||
+        describe(p->engine, g->xt == KW_BF16 ? dnnl_bf16 : dnnl_f32, g->M, s->n, g->K, g->xs, wk_stride,
+                 wn_stride, s->staged ? s->n : g->out[0].ys, p->bias, attr, &d, &pd))
         return -1;
-    const dnnl_status_t st = dnnl_primitive_create(&p->prim, pd);
+    const dnnl_memory_desc_t *queried = dnnl_primitive_desc_query_md(pd, dnnl_query_scratchpad_md, 0);
+    dnnl_memory_desc_t scratch_md = {0}; /* a copy: the pd's own goes with it */
+    if (queried) scratch_md = *queried;
+    *scratch = dnnl_memory_desc_get_size(&scratch_md);
+    const dnnl_status_t st = queried ? dnnl_primitive_create(&s->prim, pd) : dnnl_runtime_error;
     dnnl_primitive_desc_destroy(pd);
-    if (st || dnnl_memory_create(&p->src, &d.src, p->engine, DNNL_MEMORY_NONE) ||
-        dnnl_memory_create(&p->wei, &d.wei, p->engine, DNNL_MEMORY_NONE) ||
-        (p->bias && dnnl_memory_create(&p->bias_mem, &d.bias, p->engine, DNNL_MEMORY_NONE)) ||
-        dnnl_memory_create(&p->dst, &d.dst, p->engine, DNNL_MEMORY_NONE))
+    return st || dnnl_memory_create(&s->src, &d.src, p->engine, DNNL_MEMORY_NONE) ||
+           dnnl_memory_create(&s->wei, &d.wei, p->engine, DNNL_MEMORY_NONE) ||
+           (p->bias && dnnl_memory_create(&s->bias, &d.bias, p->engine, DNNL_MEMORY_NONE)) ||
+           dnnl_memory_create(&s->dst, &d.dst, p->engine, DNNL_MEMORY_NONE) ||
+           (*scratch && dnnl_memory_create(&s->scratch, &scratch_md, p->engine, DNNL_MEMORY_NONE));
+}
+
+/* Slices start at multiples of this many columns (a cache line of f32 y), and
+ * are never narrower: fewer threads than slices run the rest. */
+#define KW__DNNL_SLICE_COLS 16
+
+/* The slices for n_threads threads, made with oneDNN on one thread. */
+static int make_slices(kw__dnnl *p, const kw__lin *g, int n_threads) {
+    const int64_t N = g->n_total, blocks = KW__MAX((N + KW__DNNL_SLICE_COLS - 1) / KW__DNNL_SLICE_COLS, 1);
+    p->n_slices = (int)KW__MIN((int64_t)KW__MAX(n_threads, 1), blocks);
+    p->slices = calloc((size_t)p->n_slices, sizeof *p->slices);
+    dnnl_primitive_attr_t attr = NULL;
+    if (!p->slices || dnnl_engine_create(&p->engine, dnnl_cpu, 0) || dnnl_primitive_attr_create(&attr) ||
+        dnnl_primitive_attr_set_scratchpad_mode(attr, dnnl_scratchpad_mode_user)) {
+        if (attr) dnnl_primitive_attr_destroy(attr);
         return -1;
-    return 0;
+    }
+    for (int i = 0; i < p->n_slices; i++) {
+        kw__dnnl_slice *s = &p->slices[i];
+        s->n0 = blocks * i / p->n_slices * KW__DNNL_SLICE_COLS;
+        s->n = KW__MIN(blocks * (i + 1) / p->n_slices * KW__DNNL_SLICE_COLS, N) - s->n0;
+        /* oneDNN's brgemm matmul wants y's rows dense (it took its slower gemm:jit for a slice of them) */
+        s->staged = s->n != g->out[0].ys;
+        if (s->staged) p->staging = KW__MAX(p->staging, (size_t)(g->M * s->n) * kw_dtype_size(g->xt));
+    }
+    const int icv = omp_get_max_threads();
+    omp_set_num_threads(1); /* oneDNN sizes its blocking for the threads it will run on */
+    int rc = 0;
+    for (int i = 0; i < p->n_slices && !rc; i++) {
+        size_t scratch = 0;
+        rc = make_slice(p, g, attr, &p->slices[i], &scratch);
+        p->scratchpad = KW__MAX(p->scratchpad, (scratch + 63) / 64 * 64);
+    }
+    omp_set_num_threads(icv);
+    dnnl_primitive_attr_destroy(attr);
+    return rc;
 }
 
 /* Asks for a small one's descriptor: 16 × 64 by 64 rows of 64. */
@@ -93,7 +167,7 @@ int kw_dnnl_has_bf16_matmul(void) {
     if (dnnl_engine_create(&engine, dnnl_cpu, 0)) return 0;
     kw__dnnl_descs d;
     dnnl_primitive_desc_t pd = NULL;
-    const int made = !describe(engine, dnnl_bf16, 16, 64, 64, 64, 1, 64, 64, 0, &d, &pd);
+    const int made = !describe(engine, dnnl_bf16, 16, 64, 64, 64, 1, 64, 64, 0, NULL, &d, &pd);
     if (made) dnnl_primitive_desc_destroy(pd);
     dnnl_engine_destroy(engine);
     return made;
@@ -125,7 +199,7 @@ static int matmul_dnnl_prepare(const kw_call *c, kw_isa isa, void *prep, char *m
     if (p->bias && g->bs != 1)
         return kw__fail(msg, len, KW_ESHAPE, "matmul_dnnl: bias must be contiguous (got %s)", kw__shape(&c->t[3]).s);
     if (isa == KW_ISA_SCALAR) return 0; /* the scalar reference: linear's */
-    if (make_primitive(p, g)) {
+    if (make_slices(p, g, c->n_threads)) {
         matmul_dnnl_release(p);
         return kw__fail(msg, len, KW_EINVAL, "matmul_dnnl: oneDNN made no matmul primitive for [%lld, %lld] x [%lld, %lld]ᵀ %s",
                         (long long)g->M, (long long)g->K, (long long)g->n_total, (long long)g->K, kw_dtype_name(g->xt));
@@ -146,28 +220,50 @@ static void matmul_dnnl_kn_scalar(const kw_call *c, const kw__dnnl *p, int ith, 
         }
 }
 
+/* Binds slice sl to this call's pointers and this thread's scratch, and runs it. */
+static void run_slice(const kw_call *c, const kw__dnnl *p, const kw__dnnl_slice *sl, void *work) {
+    const kw__lin *g = &p->lin;
+    const size_t es = kw_dtype_size(g->xt);
+    /* column n0 of the weight: row n0 of [N, K] rows, element n0 of a [K, N] matrix's rows */
+    const int64_t w_off = p->wk ? sl->n0 : sl->n0 * g->ws;
+    dnnl_exec_arg_t args[5] = {{DNNL_ARG_SRC, sl->src}, {DNNL_ARG_WEIGHTS, sl->wei}, {DNNL_ARG_DST, sl->dst}};
+    int nargs = 3;
+    dnnl_memory_set_data_handle(sl->src, c->t[1].data);
+    dnnl_memory_set_data_handle(sl->wei, (char *)c->t[2].data + w_off * (int64_t)es);
+    char *y = (char *)c->t[0].data + sl->n0 * (int64_t)es, *staged = (char *)work + p->scratchpad;
+    dnnl_memory_set_data_handle(sl->dst, sl->staged ? staged : y);
+    if (p->bias) {
+        dnnl_memory_set_data_handle(sl->bias, (char *)c->t[3].data + sl->n0 * (int64_t)es);
+        args[nargs++] = (dnnl_exec_arg_t){DNNL_ARG_BIAS, sl->bias};
+    }
+    if (sl->scratch) {
+        dnnl_memory_set_data_handle(sl->scratch, work);
+        args[nargs++] = (dnnl_exec_arg_t){DNNL_ARG_SCRATCHPAD, sl->scratch};
+    }
+    dnnl_primitive_execute(sl->prim, sl->stream, nargs, args);
+    dnnl_stream_wait(sl->stream);
+    for (int64_t m = 0; sl->staged && m < g->M; m++)
+        memcpy(y + m * g->out[0].ys * (int64_t)es, staged + m * sl->n * (int64_t)es, (size_t)sl->n * es);
+}
+
 static void matmul_dnnl_kernel(const kw_call *c, int ith, int nth) {
     const kw__dnnl *p = c->prep;
-    if (!p->prim) {
+    if (!p->slices) {
         if (p->wk) matmul_dnnl_kn_scalar(c, p, ith, nth);
         else kw__linear_run(c, &p->lin, ith, nth);
         return;
     }
-    if (ith != 0) return;
-    dnnl_exec_arg_t args[4] = {{DNNL_ARG_SRC, p->src}, {DNNL_ARG_WEIGHTS, p->wei}, {DNNL_ARG_DST, p->dst}};
-    int nargs = 3;
-    dnnl_memory_set_data_handle(p->src, c->t[1].data);
-    dnnl_memory_set_data_handle(p->wei, c->t[2].data);
-    dnnl_memory_set_data_handle(p->dst, c->t[0].data);
-    if (p->bias) {
-        dnnl_memory_set_data_handle(p->bias_mem, c->t[3].data);
-        args[nargs++] = (dnnl_exec_arg_t){DNNL_ARG_BIAS, p->bias_mem};
-    }
-    dnnl_primitive_execute(p->prim, p->stream, nargs, args);
-    dnnl_stream_wait(p->stream);
+    if (ith >= p->n_slices) return;
+    const int icv = omp_get_max_threads();
+    if (icv != 1) omp_set_num_threads(1);
+    for (int i = ith; i < p->n_slices; i += nth) run_slice(c, p, &p->slices[i], kw__work(c, ith));
+    if (icv != 1) omp_set_num_threads(icv);
 }
 
-static size_t matmul_dnnl_work(const void *prep) { return kw__lin_work_size(&((const kw__dnnl *)prep)->lin); }
+static size_t matmul_dnnl_work(const void *prep) {
+    const kw__dnnl *p = prep;
+    return p->slices ? p->scratchpad + p->staging : kw__lin_work_size(&p->lin);
+}
 
 /* Slots y [M, N], x [M, K], weight [N, K], bias [N] (optional): as linear. */
 const kw_op_info kw_op_info_matmul_dnnl = {

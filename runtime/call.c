@@ -101,13 +101,14 @@ int kw_call_run(kw_op_id id, kw_call *c, int n_ip, int n_fp, kw_isa isa, kw_pool
     if (rc) return rc;
     void *prep = malloc(kw_op_prep_size(id));
     if (!prep) return KW_ENOMEM;
+    if (call_bytes(info, c) < KW_CALL_INLINE_BYTES) pool = NULL;
+    const int nth = pool ? kw_pool_size(pool) : 1;
+    c->n_threads = nth;
     rc = kw_op_prepare(id, c, isa, prep, msg, len);
     if (rc) {
         free(prep);
         return rc < 0 ? rc : KW_EINVAL;
     }
-    if (call_bytes(info, c) < KW_CALL_INLINE_BYTES) pool = NULL;
-    const int nth = pool ? kw_pool_size(pool) : 1;
     const size_t stride = info->work_size ? (info->work_size(prep) + 63) / 64 * 64 : 0;
     void *work = stride ? aligned_alloc(64, stride * (size_t)nth) : NULL;
     _Alignas(64) unsigned char share[KW_SHARE_BYTES] = {0};

@@ -502,18 +502,42 @@ static int dnnl_refused_bf16(const tt_case *k) {
     return 1;
 }
 
-/* oneDNN blocks and orders its sums its own way; bf16 goes through vdpbf16ps. */
+/* oneDNN blocks and orders its sums its own way; bf16 goes through vdpbf16ps.
+ * Each call is cut into a slice of columns per thread it is prepared for (up to
+ * one per 16 columns: N = 45 gives 3, the last one short), run on the threads it
+ * runs on (1, 2, 3, 7: tt_check_variants), or for 2 and 5 threads whatever it
+ * runs on, as a plan run on a smaller pool than it was made for. */
 Test(matmul_dnnl, matches_the_reference) {
     tt_rng r = {9};
     static const int64_t Mm[] = {1, 7, 33, 64};
-    for (int t = 0; t < 8; t++) {
+    static const int prepared_for[] = {0, 2, 5}; /* 0: the threads it runs on */
+    for (int t = 0; t < 8; t++)
+        for (int f = 0; f < 3; f++) {
+            const kw_dtype dt = t % 2 ? KW_BF16 : KW_F32;
+            const int64_t M = Mm[t / 2], K = 67, N = 45;
+            tt_case k = {0};
+            make_x_w(&k, 1, 2, dt, dt, M, K, N, &r);
+            tt_tensor(&k, 0, dt, 3, TT_DIMS(1, M, N), NULL, 0, 0, &r);
+            if (t % 3) tt_tensor(&k, 3, dt, 1, TT_DIMS(N), NULL, -1, 1, &r);
+            k.c.n_threads = prepared_for[f];
+            if (!dnnl_refused_bf16(&k)) tt_check_variants(KW_OP_MATMUL_DNNL, &k, lin_tol(dt, K), "matmul_dnnl");
+            tt_free(&k);
+        }
+}
+
+/* y's rows wider than the call's columns (a view into a wider tensor): each
+ * slice is staged in the thread's scratch and copied into y's rows, and the
+ * columns of y past N are never written. */
+Test(matmul_dnnl, writes_a_slice_of_wider_rows_and_nothing_past_it) {
+    tt_rng r = {12};
+    for (int t = 0; t < 4; t++) {
         const kw_dtype dt = t % 2 ? KW_BF16 : KW_F32;
-        const int64_t M = Mm[t / 2], K = 67, N = 45;
+        const int64_t M = 9, K = 40, N = 70, ys = 96;
         tt_case k = {0};
         make_x_w(&k, 1, 2, dt, dt, M, K, N, &r);
-        tt_tensor(&k, 0, dt, 3, TT_DIMS(1, M, N), NULL, 0, 0, &r);
-        if (t % 3) tt_tensor(&k, 3, dt, 1, TT_DIMS(N), NULL, -1, 1, &r);
-        if (!dnnl_refused_bf16(&k)) tt_check_variants(KW_OP_MATMUL_DNNL, &k, lin_tol(dt, K), "matmul_dnnl");
+        tt_tensor(&k, 0, dt, 2, TT_DIMS(M, N), TT_DIMS(ys, 1), -1, 1, &r); /* the padding random: a write shows */
+        k.c.n_threads = t < 2 ? 0 : 3;
+        if (!dnnl_refused_bf16(&k)) tt_check_variants(KW_OP_MATMUL_DNNL, &k, lin_tol(dt, K), "matmul_dnnl, wide rows");
         tt_free(&k);
     }
 }

@@ -101,6 +101,7 @@ void tt_set(kw_tensor *t, const int64_t *idx, double v) { put(t->data, offset(t,
 void tt_run_shared(kw_op_id op, kw_isa isa, const kw_call *c, int nth, int shared) {
     const kw_op_info *info = kw_op_get(op);
     kw_call call = *c;
+    if (!call.n_threads) call.n_threads = nth; /* prepared for the threads it runs on, as a plan's */
     void *prep = malloc(kw_op_prep_size(op));
     char msg[256];
     cr_assert_eq(kw_op_prepare(op, &call, isa, prep, msg, sizeof msg), 0, "%s: prepare rejected the call: %s",
