@@ -155,6 +155,13 @@ enum {
      * 16.0 at M = 4, 12.2 against 14.1 at 8, 22.1 against 22.0 at 16, 42.2
      * against 26.7 at 32. */
     KW_DNNL_MIN_M_F32_AVX2 = 16,
+    /* The same on an AMX CPU (an Intel Xeon; linear's AVX-512 kernel, since the
+     * tiles take bf16 weights only), where oneDNN's matmul runs on the pool's
+     * threads (matmul_dnnl): replayed q-token steps of SmolLM2-360M over float32
+     * weights that are not bf16 values (2-vCPU Xeon, two processes each,
+     * alternated): linear 58 ms against oneDNN's 78-82 at q = 4, 71-72 against
+     * 88-93 at 8, 94 against 99-104 at 12, 110 against 104-110 at 16. */
+    KW_DNNL_MIN_M_F32_AMX = 16,
     /* bf16 x, bf16 weights. Whole steps put the crossover higher than one
      * layer's MLP timed alone (8 rows, dnnl_crossover): replayed steps of q
      * positions (Zen 4, 2 threads), q = 8: SmolLM2-360M 29 ms with linear

@@ -2,7 +2,7 @@
  * with the slots and meaning of linear (f32 x with f32 weights, or bf16 with
  * bf16; oneDNN 2.6 has no f32 × bf16 matmul, so that pair is refused: linear
  * takes it). Use it from M >= KW_DNNL_MIN_M_F32 / _BF16 (_F32_AVX2 below
- * AVX-512, _BF16_AMX on an AMX CPU), where it measured faster than linear.
+ * AVX-512, _F32_AMX / _BF16_AMX on an AMX CPU), where it measured faster than linear.
  *
  * The weight [N, K] may also be the transpose of a [K, N] matrix (strides
  * (1, wk)): GPT-2's Conv1D multiplies x by its [K, N] weight as stored. oneDNN

@@ -46,7 +46,7 @@ static PyObject *op_params(PyObject *self, PyObject *unused) {
         {"WHERE_X_IF_TRUE", KW_WHERE_X_IF_TRUE},
         {"WHERE_X_IF_FALSE", KW_WHERE_X_IF_FALSE},
         {"DNNL_NEVER", KW_DNNL_NEVER},
-        {"DNNL_MIN_M_F32", avx2 ? KW_DNNL_MIN_M_F32_AVX2 : KW_DNNL_MIN_M_F32},
+        {"DNNL_MIN_M_F32", avx2 ? KW_DNNL_MIN_M_F32_AVX2 : amx ? KW_DNNL_MIN_M_F32_AMX : KW_DNNL_MIN_M_F32},
         {"BMM_MAX_M", KW_BMM_MAX_M},
         {"DNNL_MIN_M_BF16", !dnnl_bf16 ? KW_DNNL_NEVER : amx ? KW_DNNL_MIN_M_BF16_AMX : KW_DNNL_MIN_M_BF16},
         {"DNNL_MIN_M_F32_BF16_COPY", amx ? KW_DNNL_MIN_M_F32_BF16_COPY_AMX : KW_DNNL_MIN_M_F32_BF16_COPY},
