@@ -75,6 +75,21 @@ MARGIN = 0.97
 # (DistilBERT fp32 with bf16-valued weights at batch 8: plan 140 ms against Inductor's
 # 270 and eager's, where that round cost 0.7 s of a 7.7 s compile).
 MIN_ROUNDS, SEPARATED_ROUNDS, MAX_ROUNDS, BUDGET_S, CLEAR = 3, 2, 15, 1.0, 1.5
+# A candidate's time in a round is one sample: where its calls are shorter than SAMPLE_S,
+# one call untimed, then as many as fill SAMPLE_S (up to SAMPLE_CALLS), their mean;
+# else one call. A call right after another candidate's pays for waking its threads
+# (PyTorch's OpenMP threads, kwker's pool), which slept while the other ran, and for
+# its memory out of cache; a user's loop calls the one kept back to back. A
+# 256 -> 512 -> 512 -> 64 float32 MLP at batch 8 (2-vCPU Intel Xeon, seven tunings
+# each, fresh caches): one call a round timed its plan at 0.13-0.27 ms, samples at
+# 0.053-0.060; eager (0.09 ms a call in the user's own loop) at 0.83-2.39 ms, samples
+# at 0.086-0.094 in three of the seven tunings, and Inductor at 0.17-1.8, samples
+# at 0.072-0.079 in the same three. In the other four PyTorch's
+# OpenMP thread shared a core with the calling thread all through the tuning (the
+# second core idle: this VM's scheduler packs its vCPUs), which samples do not undo.
+# From SAMPLE_S on, a wake-up (tens of microseconds each for a few threads) is a
+# share of a call under this machine's noise.
+SAMPLE_S, SAMPLE_CALLS = 0.005, 256
 # Where a round of the candidates' first (checking) runs alone took longer than the
 # budget, it is the only round when it shows the choice against a steady call of
 # the reference (its first run, else one more run of it alone): none under MARGIN
@@ -383,6 +398,20 @@ def choose(builders: dict[str, Callable[[], Callable]], inputs: list, reference:
         except Exception as e:
             raise _LaterRunFailed(next(n for n, f in built.items() if f is fn), e) from e
 
+    def sample(name: str, call_s: float | None = None) -> float:
+        """One sample of the candidate's call, seconds (see SAMPLE_S), sized by
+        call_s, its fastest call so far (its first run where it has no other)."""
+        fn = built[name]
+        if call_s is None:
+            call_s = min(times.get(name) or [first[name]])
+        calls = 1 if call_s >= SAMPLE_S else min(SAMPLE_CALLS, math.ceil(SAMPLE_S / call_s) if call_s > 0 else SAMPLE_CALLS)
+        if calls > 1:
+            timed_run(fn)
+        start = time.perf_counter()
+        for _ in range(calls):
+            timed_run(fn)
+        return (time.perf_counter() - start) / calls
+
     def measured(measure):
         """measure(), again without each candidate whose later run fails: it is
         left out as one whose first run fails (a reference so, for the truth)."""
@@ -407,7 +436,7 @@ def choose(builders: dict[str, Callable[[], Callable]], inputs: list, reference:
     for name in sorted(builders, key=lambda name: name != truth):  # the truth first, the others in order
         build, gate = builders[name], (gates or {}).get(name)
         if gate is not None:
-            steady = measured(lambda: _gate_ms(built, outputs, times, truth or reference, tolerance, timed_run, exact))
+            steady = measured(lambda: _gate_ms(built, outputs, times, truth or reference, tolerance, sample, exact))
             why = gate(steady)
             if why:
                 left_out[name] = why
@@ -440,10 +469,10 @@ def choose(builders: dict[str, Callable[[], Callable]], inputs: list, reference:
         (log.warning if name == reference else log.info)("candidate %s left out: %s", name, why)
     if reference not in built:  # the truth then stands in for it: the time the others must beat
         reference = truth
-    ms = measured(lambda: _first_runs_ms(first, times, built, reference, timed_run))
+    ms = measured(lambda: _first_runs_ms(first, times, built, reference, sample))
     how = "first runs" if ms else "medians"
     if ms is None:
-        ms = measured(lambda: _median_ms(built, timed_run, {name: t for name, t in times.items() if name in built},
+        ms = measured(lambda: _median_ms(built, sample, {name: t for name, t in times.items() if name in built},
                                          reference, first))
     best = _fastest(ms, reference)
     log.info("candidates (%s) %s: %s kept", how, ", ".join(f"{n} {t:.3f} ms" for n, t in ms.items()), best)
@@ -567,25 +596,23 @@ def _fastest(ms: dict[str, float], reference: str) -> str:
 
 
 def _gate_ms(built: dict, outputs: dict, times: dict[str, list[float]], truth: str, tolerance: dict,
-             run: Callable[[Callable], object], exact: Callable[[str], list | None]) -> dict[str, float]:
+             sample: Callable[[str], float], exact: Callable[[str], list | None]) -> dict[str, float]:
     """The median ms so far of each candidate built whose outputs agree with the
     truth's (none while the truth is not built: a fast wrong candidate must not
-    keep another out), each first run once more if it has no time yet (the time
-    goes into `times`, the first round's)."""
+    keep another out), each sampled once if it has no time yet (the time goes
+    into `times`, the first round's)."""
     if truth not in outputs:
         return {}
     truth_exact = functools.partial(exact, truth)
     agree = [n for n in built if not _differs(outputs[n], outputs[truth], tolerance, truth, truth_exact)]
     for name in agree:
         if name not in times:
-            t = time.perf_counter()
-            run(built[name])
-            times[name] = [time.perf_counter() - t]
+            times[name] = [sample(name)]
     return {name: statistics.median(times[name]) * 1e3 for name in agree}
 
 
 def _first_runs_ms(first: dict[str, float], times: dict[str, list[float]], built: dict, reference: str,
-                   run: Callable[[Callable], object]) -> dict[str, float] | None:
+                   sample: Callable[[str], float]) -> dict[str, float] | None:
     """The first runs (s), or a gate's steady run where there was one, as the
     only round (ms) when that round took longer than the budget and shows the
     choice against the reference's first run, or its second, then timed into
@@ -594,17 +621,15 @@ def _first_runs_ms(first: dict[str, float], times: dict[str, list[float]], built
     if sum(t[0] for t in round_.values()) <= BUDGET_S:
         return None
     if not _unbeaten(round_, reference) and not times.get(reference):
-        t = time.perf_counter()
-        run(built[reference])
-        times[reference] = round_[reference] = [time.perf_counter() - t]
+        times[reference] = round_[reference] = [sample(reference)]
     if not (_unbeaten(round_, reference) or _separated(round_, CLEAR)):
         return None
     return {name: t[0] * 1e3 for name, t in round_.items()}
 
 
-def _median_ms(built: dict[str, Callable], run: Callable[[Callable], object],
+def _median_ms(built: dict[str, Callable], sample: Callable[[str, float], float],
                times: dict[str, list[float]], reference: str, first: dict[str, float]) -> dict[str, float]:
-    """Interleaved rounds over `built`, after the times (s) some have already.
+    """Interleaved rounds of samples over `built`, after the times (s a call) some have already.
     Where the first runs took longer than the budget, they stand in for the
     second of the SEPARATED_ROUNDS: a first run is no faster than its candidate,
     so with them the fastest's slowest call can only be later; and for the
@@ -636,12 +661,10 @@ def _median_ms(built: dict[str, Callable], run: Callable[[Callable], object],
             break  # another round would end past the budget, and could not change the choice
         for name in _outrun(calls, reference):
             timed.pop(name, None)
-        for name, fn in timed.items():
+        for name in timed:
             if len(times[name]) > round_:
                 continue
-            t = time.perf_counter()
-            run(fn)
-            times[name].append(time.perf_counter() - t)
+            times[name].append(sample(name, min(times[name] or [first[name]])))
     return {name: statistics.median(t) * 1e3 for name, t in times.items()}
 
 

@@ -16,7 +16,7 @@ import torch
 import kwker
 import kwker.tune
 from kwker import summary
-from kwker.tune import MARGIN, TRAINING_TOLERANCE, FirstCallServed, ForwardAndBackward, TruthFailed, call, choose
+from kwker.tune import MARGIN, SAMPLE_S, TRAINING_TOLERANCE, FirstCallServed, ForwardAndBackward, TruthFailed, call, choose
 from kwker.weights import HUGE_PAGES_BELOW_ROWS
 
 pytestmark = pytest.mark.usefixtures("fresh_compile_state")
@@ -78,7 +78,7 @@ def test_rounds_of_timing_stop_where_more_could_not_change_the_choice(monkeypatc
     runs = {}
     counted = functools.partial(counting, runs)
 
-    choose({"ref": counted("ref", 0.02), "fast": counted("fast", 0.0)}, [], "ref")
+    choose({"ref": counted("ref", 0.02), "fast": counted("fast", 0.01)}, [], "ref")
     assert runs["ref"] == runs["fast"] == 1 + 2  # the check run, then two separated rounds (within the budget)
     monkeypatch.setattr(kwker.tune, "BUDGET_S", 0.0)  # every call over the budget, as at batch 8
     runs.update(ref=0, close=0)
@@ -158,6 +158,35 @@ def test_a_candidate_two_calls_show_slower_than_another_sits_out_the_later_round
     choice = choose({"ref": counted("ref", 0.04), "fast": counted("fast", 0.015, 0.019),
                      "close": counted("close", 0.016, 0.02)}, [], "ref")
     assert runs["ref"] == runs["fast"] == runs["close"] > 1 + 3 and choice.name == "fast", runs
+
+
+@pytest.mark.usefixtures("virtual_time")
+def test_a_short_call_is_timed_warm_as_the_mean_of_calls_after_an_untimed_one():
+    """Each candidate's first call after another candidate's pays for waking
+    its threads (`cold`); its calls in a loop take `warm`. Calls shorter than
+    SAMPLE_S are timed after an untimed one, as many together as fill SAMPLE_S."""
+    last, runs = [None], {}
+
+    def waking(name: str, warm: float, cold: float):
+        def run(*inputs):
+            kwker.tune.time.sleep(warm if last[0] == name else cold)
+            last[0], runs[name] = name, runs.get(name, 0) + 1
+            return (torch.ones(3),)
+
+        return lambda: run
+
+    # one call a round would time `short` at its 2 ms wake-up, the reference's 1 ms kept
+    choice = choose({"ref": waking("ref", 0.001, 0.001), "short": waking("short", 0.0002, 0.002)}, [], "ref")
+    assert choice.name == "short" and choice.ms["short"] == pytest.approx(0.2), choice.ms
+    assert choice.ms["ref"] == pytest.approx(1.0)
+    # two rounds (apart), each sample after an untimed call: the reference SAMPLE_S / 1 ms calls; `short`
+    # 3 in the first (sized by its first run, 2 ms), then SAMPLE_S / 0.2 ms
+    assert runs == {"ref": 1 + 2 * (1 + round(SAMPLE_S / 0.001)),
+                    "short": 1 + (1 + 3) + (1 + round(SAMPLE_S / 0.0002))}, runs
+    # a call of SAMPLE_S or more is timed alone, as it comes
+    runs.clear()
+    choice = choose({"ref": waking("ref", 0.02, 0.02), "long": waking("long", SAMPLE_S, 0.03)}, [], "ref")
+    assert choice.ms["long"] == pytest.approx(30) and runs["long"] == runs["ref"], (choice.ms, runs)
 
 
 @pytest.mark.usefixtures("virtual_time")
