@@ -1,10 +1,11 @@
 """Random-weight language models built from transformers configs, for kwker's
 token-equality tests and benchmarks. Nothing is downloaded: the configs are
-written out here, shaped like the checkpoints they are named after. And a
-second mapping of a shared tensor's memory, through which tests write as
-another process does."""
+written out here, shaped like the checkpoints they are named after. And
+memory shared with other processes, with a second mapping of it through which
+tests write as another process does."""
 
 import mmap
+from multiprocessing import shared_memory
 
 import torch
 
@@ -123,3 +124,32 @@ def mapped_again(t: torch.Tensor) -> torch.Tensor:
     again = torch.frombuffer(mapping, dtype=t.dtype, count=t.numel()).view(t.shape)
     assert again.data_ptr() != t.data_ptr()
     return again
+
+
+def in_shared_memory_block(model) -> shared_memory.SharedMemory:
+    """Moves model's parameters into one multiprocessing.shared_memory block,
+    each read through torch.frombuffer (Tensor.is_shared() calls them False),
+    and returns the block. Close and unlink it once the model is gone."""
+    params = list(model.parameters())
+    offsets, size = [], 0
+    for p in params:
+        offsets.append(size)
+        size += -(-p.numel() * p.element_size() // 64) * 64
+    block = shared_memory.SharedMemory(create=True, size=size)
+    with torch.no_grad():
+        for p, offset in zip(params, offsets):
+            t = torch.frombuffer(block.buf, dtype=p.dtype, count=p.numel(), offset=offset).view(p.shape)
+            p.data = t.copy_(p)
+    return block
+
+
+def block_mapped_again(block: shared_memory.SharedMemory, t: torch.Tensor) -> torch.Tensor:
+    """t, a tensor in block, through a mapping of the block of its own, as
+    another process attaches it: a write there never touches this process's
+    mapping of t. The attachment lives as long as the tensor."""
+    again = shared_memory.SharedMemory(name=block.name)
+    base = torch.frombuffer(block.buf, dtype=torch.uint8, count=1).data_ptr()
+    view = torch.frombuffer(again.buf, dtype=t.dtype, count=t.numel(), offset=t.data_ptr() - base).view(t.shape)
+    assert view.data_ptr() != t.data_ptr()
+    view.attachment = again  # frombuffer does not keep the mapping: gone with it, a write would fault
+    return view

@@ -36,6 +36,7 @@ place (contents unchanged).
 """
 
 import math
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -96,12 +97,39 @@ def by_matmul(dtype: torch.dtype, rows: int) -> bool:
 
 
 def shared_with_other_processes(tensors: list[torch.Tensor]) -> bool:
-    """Whether one of these tensors lives in memory other processes map too
-    (`share_memory()`, torch.multiprocessing's tensors): a watch sees the
-    writes of this process only (the pages are read-only in its own mapping),
-    so a copy of it would be read stale after another process's write. Such a
-    weight is always read as stored."""
-    return any(t.is_shared() for t in tensors)
+    """Whether one of these tensors lives in memory other processes map too:
+    `share_memory()` and torch.multiprocessing's tensors (Tensor.is_shared),
+    and any other in a writable shared mapping of this process (a
+    multiprocessing.shared_memory block or a file mapped MAP_SHARED, read
+    through torch.frombuffer or numpy, which is_shared calls False). A watch
+    sees the writes of this process only (the pages are read-only in its own
+    mapping), so a copy of it would be read stale after another process's
+    write. Such a weight is always read as stored. A read-only shared mapping
+    (safetensors' mmap of a checkpoint) is not counted: nothing writes through
+    it, and its weights would lose their copies."""
+    if any(t.is_shared() for t in tensors):
+        return True
+    spans = _writable_shared_mappings()
+    for t in tensors:
+        storage = t.untyped_storage()
+        start, end = storage.data_ptr(), storage.data_ptr() + storage.nbytes()
+        if any(lo < end and start < hi for lo, hi in spans):
+            return True
+    return False
+
+
+def _writable_shared_mappings() -> list[tuple[int, int]]:
+    """The address ranges this process maps writable and shared (/proc/self/maps'
+    "rw?s"); none where it cannot be read."""
+    try:
+        with open("/proc/self/maps") as f:
+            maps = f.read()
+    except OSError:
+        return []
+    return [(int(lo, 16), int(hi, 16)) for lo, hi in _WRITABLE_SHARED.findall(maps)]
+
+
+_WRITABLE_SHARED = re.compile(r"^([0-9a-f]+)-([0-9a-f]+) rw.s", re.MULTILINE)
 
 
 def decide(weights: list[torch.Tensor], rows: int, kn: bool = False) -> Storage | None:

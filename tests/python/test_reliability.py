@@ -3,6 +3,7 @@ share a step between threads, edit weights any way PyTorch allows, load another
 model, change dtypes, run out of cache — gives eager's tokens, or hands the
 graph to Inductor with the reason, or raises what eager raises."""
 
+import functools
 import threading
 import warnings
 
@@ -12,7 +13,8 @@ from transformers import StaticCache
 
 import kwker
 from kwker import summary
-from kwker.testing import _SMALL, make_config, mapped_again, random_model, small_model
+from kwker.testing import (_SMALL, block_mapped_again, in_shared_memory_block, make_config, mapped_again, random_model,
+                            small_model)
 
 pytestmark = pytest.mark.usefixtures("fresh_compile_state")
 
@@ -129,20 +131,30 @@ def test_a_copy_whose_packing_failed_on_the_way_is_packed_again_at_the_next_call
     assert_same_tokens(model, config)
 
 
+@pytest.mark.parametrize("how", ["share_memory", "shared_memory_block"])
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "mixtral"])  # stacked, transposed, experts' copies
-def test_weights_shared_with_other_processes_are_read_as_stored_and_another_processs_write_is_seen(arch):
+def test_weights_shared_with_other_processes_are_read_as_stored_and_another_processs_write_is_seen(arch, how):
     """share_memory() (Hogwild training in workers, evaluation in the main
-    process): no watch sees another process's writes, so kwker copies none of
-    these weights (before, its bf16 copies were read stale: other tokens)."""
+    process), or a multiprocessing.shared_memory block read through
+    torch.frombuffer (which Tensor.is_shared() does not see): no watch sees
+    another process's writes, so kwker copies none of these weights (before,
+    its bf16 copies were read stale: other tokens)."""
     model = small_model(arch)  # bf16-valued: every linear's weight would be a copy
-    model.share_memory()
+    if how == "share_memory":
+        model.share_memory()
+        again_of = mapped_again
+    else:
+        block = in_shared_memory_block(model)
+        again_of = functools.partial(block_mapped_again, block)
     config = kwker.compile_config()
     assert_same_tokens(model, config)
     before = greedy(model)
     for name, p in model.named_parameters():
         if p.dim() >= 2 and "wte" not in name and "embed" not in name:
-            again = mapped_again(p)
+            again = again_of(p)
             again.copy_((again * -3.0).bfloat16().float())  # bf16-exact, as another process's write
+    if how == "shared_memory_block":
+        block.unlink()  # the memory lives while it is mapped; its name is needed no more
     assert greedy(model) != before  # the writes decide the tokens
     assert_same_tokens(model, config)
     assert kinds() == ["decode-replay"], kwker.report()
