@@ -125,9 +125,15 @@ static int make_slice(kw__dnnl *p, const kw__lin *g, const_dnnl_primitive_attr_t
            (*scratch && dnnl_memory_create(&s->scratch, &scratch_md, p->engine, DNNL_MEMORY_NONE));
 }
 
-/* Slices start at multiples of this many columns (a cache line of f32 y), and
- * are never narrower: fewer threads than slices run the rest. */
+/* Slices start at multiples of this many columns (a cache line of f32 y); only
+ * the last is narrower (and the only one, for fewer columns). Threads past the
+ * slices have nothing to do. */
 #define KW__DNNL_SLICE_COLS 16
+/* A thread stages at most this much of y: staged, y would be kept twice over in
+ * the plan's scratch (a 49152-token head at 512 rows: 96 MiB). A larger slice
+ * is written into y's rows as they are, by oneDNN's gemm:jit (8 % slower than
+ * its brgemm at 128 rows, where the product is compute-bound). */
+#define KW__DNNL_MAX_STAGING (4u << 20)
 
 /* The slices for n_threads threads, made with oneDNN on one thread. */
 static int make_slices(kw__dnnl *p, const kw__lin *g, int n_threads) {
@@ -144,9 +150,11 @@ static int make_slices(kw__dnnl *p, const kw__lin *g, int n_threads) {
         kw__dnnl_slice *s = &p->slices[i];
         s->n0 = blocks * i / p->n_slices * KW__DNNL_SLICE_COLS;
         s->n = KW__MIN(blocks * (i + 1) / p->n_slices * KW__DNNL_SLICE_COLS, N) - s->n0;
-        /* oneDNN's brgemm matmul wants y's rows dense (it took its slower gemm:jit for a slice of them) */
-        s->staged = s->n != g->out[0].ys;
-        if (s->staged) p->staging = KW__MAX(p->staging, (size_t)(g->M * s->n) * kw_dtype_size(g->xt));
+        /* oneDNN's brgemm matmul wants y's rows dense (it took its slower gemm:jit for a slice of them,
+         * 1.5x the time at 8 rows); one row has no row stride */
+        const size_t bytes = (size_t)(g->M * s->n) * kw_dtype_size(g->xt);
+        s->staged = g->M > 1 && s->n != g->out[0].ys && bytes <= KW__DNNL_MAX_STAGING;
+        if (s->staged) p->staging = KW__MAX(p->staging, bytes);
     }
     const int icv = omp_get_max_threads();
     omp_set_num_threads(1); /* oneDNN sizes its blocking for the threads it will run on */
@@ -198,7 +206,8 @@ static int matmul_dnnl_prepare(const kw_call *c, kw_isa isa, void *prep, char *m
     p->bias = kw__present(&c->t[3]);
     if (p->bias && g->bs != 1)
         return kw__fail(msg, len, KW_ESHAPE, "matmul_dnnl: bias must be contiguous (got %s)", kw__shape(&c->t[3]).s);
-    if (isa == KW_ISA_SCALAR) return 0; /* the scalar reference: linear's */
+    /* the scalar reference, and no rows (oneDNN 2.6 divides by zero describing them): linear's */
+    if (isa == KW_ISA_SCALAR || g->M == 0) return 0;
     if (make_slices(p, g, c->n_threads)) {
         matmul_dnnl_release(p);
         return kw__fail(msg, len, KW_EINVAL, "matmul_dnnl: oneDNN made no matmul primitive for [%lld, %lld] x [%lld, %lld]ᵀ %s",

@@ -571,6 +571,32 @@ Test(matmul_dnnl, reads_a_transposed_weight_through_its_strides) {
     }
 }
 
+/* A slice of y too large to stage (over 4 MiB a thread: 65 rows of 16384 f32
+ * columns) is written into y's wider rows directly. */
+Test(matmul_dnnl, writes_a_slice_too_large_to_stage_into_y_directly) {
+    tt_rng r = {13};
+    const int64_t M = 65, K = 8, N = 32768, ys = N + 16;
+    tt_case k = {0};
+    make_x_w(&k, 1, 2, KW_F32, KW_F32, M, K, N, &r);
+    tt_tensor(&k, 0, KW_F32, 2, TT_DIMS(M, N), TT_DIMS(ys, 1), -1, 1, &r);
+    k.c.n_threads = 2;
+    tt_check_variants(KW_OP_MATMUL_DNNL, &k, lin_tol(KW_F32, K), "matmul_dnnl, unstaged wide rows");
+    tt_free(&k);
+}
+
+/* No rows: nothing is written, and nothing divides by them (oneDNN 2.6 did, in
+ * describing the matmul: SIGFPE). */
+Test(matmul_dnnl, runs_no_rows) {
+    tt_rng r = {14};
+    for (int t = 0; t < 2; t++) {
+        tt_case k = {0};
+        make_x_w(&k, 1, 2, KW_F32, KW_F32, 0, 8, 20, &r);
+        tt_tensor(&k, 0, KW_F32, 2, TT_DIMS(0, 20), t ? TT_DIMS(24, 1) : NULL, 0, 0, &r);
+        tt_check_variants(KW_OP_MATMUL_DNNL, &k, lin_tol(KW_F32, 8), "matmul_dnnl, no rows");
+        tt_free(&k);
+    }
+}
+
 Test(matmul_dnnl, rejects_mixed_dtypes) {
     tt_rng r = {10};
     tt_case k = {0};
