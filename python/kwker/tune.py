@@ -77,19 +77,22 @@ MARGIN = 0.97
 MIN_ROUNDS, SEPARATED_ROUNDS, MAX_ROUNDS, BUDGET_S, CLEAR = 3, 2, 15, 1.0, 1.5
 # A candidate's time in a round is one sample: where its calls are shorter than SAMPLE_S,
 # one call untimed, then as many as fill SAMPLE_S (up to SAMPLE_CALLS), their mean;
-# else one call. A call right after another candidate's pays for waking its threads
+# else one call. (The untimed call is timed too: a call of SAMPLE_S or more, from a
+# candidate no faster so far, is the sample, as one call a round was before.) A call right after another candidate's pays for waking its threads
 # (PyTorch's OpenMP threads, kwker's pool), which slept while the other ran, and for
 # its memory out of cache; a user's loop calls the one kept back to back. A
 # 256 -> 512 -> 512 -> 64 float32 MLP at batch 8 (2-vCPU Intel Xeon, seven tunings
 # each, fresh caches): one call a round timed its plan at 0.13-0.27 ms, samples at
-# 0.053-0.060; eager (0.09 ms a call in the user's own loop) at 0.83-2.39 ms, samples
-# at 0.086-0.094 in three of the seven tunings, and Inductor at 0.17-1.8, samples
-# at 0.072-0.079 in the same three. In the other four PyTorch's
-# OpenMP thread shared a core with the calling thread all through the tuning (the
-# second core idle: this VM's scheduler packs its vCPUs), which samples do not undo.
-# From SAMPLE_S on, a wake-up (tens of microseconds each for a few threads) is a
-# share of a call under this machine's noise.
-SAMPLE_S, SAMPLE_CALLS = 0.005, 256
+# 0.053-0.061; eager (0.09 ms a call in the user's own loop) at 0.83-2.39 ms,
+# Inductor at 0.17-1.8. Samples timed those two right (0.093-0.104, 0.075-0.081)
+# in three tunings of seven (Inductor in a fourth):
+# in the others PyTorch's OpenMP thread shared a core with the calling thread all
+# through the tuning, each of its barriers a context switch (the second core idle:
+# this VM's scheduler packs its vCPUs), which samples do not undo. From SAMPLE_S
+# on, a wake-up (tens of microseconds each for a few threads) is a share of a call
+# under this machine's noise. The cost: four candidates of 0.1 ms a call that
+# overlap, timed to MAX_ROUNDS, take 0.13 s in samples against 0.008 in single calls.
+SAMPLE_S, SAMPLE_CALLS = 0.002, 256
 # Where a round of the candidates' first (checking) runs alone took longer than the
 # budget, it is the only round when it shows the choice against a steady call of
 # the reference (its first run, else one more run of it alone): none under MARGIN
@@ -399,14 +402,18 @@ def choose(builders: dict[str, Callable[[], Callable]], inputs: list, reference:
             raise _LaterRunFailed(next(n for n, f in built.items() if f is fn), e) from e
 
     def sample(name: str, call_s: float | None = None) -> float:
-        """One sample of the candidate's call, seconds (see SAMPLE_S), sized by
-        call_s, its fastest call so far (its first run where it has no other)."""
+        """One sample of the candidate's call, seconds (see SAMPLE_S): a call,
+        which is the sample where neither it nor call_s (the candidate's fastest
+        call so far; its first run where it has no other) is under SAMPLE_S, else
+        the warm-up before the calls that fill SAMPLE_S at the faster of the two."""
         fn = built[name]
-        if call_s is None:
-            call_s = min(times.get(name) or [first[name]])
-        calls = 1 if call_s >= SAMPLE_S else min(SAMPLE_CALLS, math.ceil(SAMPLE_S / call_s) if call_s > 0 else SAMPLE_CALLS)
-        if calls > 1:
-            timed_run(fn)
+        start = time.perf_counter()
+        timed_run(fn)
+        once = time.perf_counter() - start
+        call_s = min(once, min(times.get(name) or [first[name]]) if call_s is None else call_s)
+        if call_s >= SAMPLE_S:
+            return once
+        calls = min(SAMPLE_CALLS, math.ceil(SAMPLE_S / call_s) if call_s > 0 else SAMPLE_CALLS)
         start = time.perf_counter()
         for _ in range(calls):
             timed_run(fn)

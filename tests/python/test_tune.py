@@ -4,6 +4,7 @@ import copy
 import functools
 import gc
 import logging
+import math
 import os
 import subprocess
 import sys
@@ -175,14 +176,15 @@ def test_a_short_call_is_timed_warm_as_the_mean_of_calls_after_an_untimed_one():
 
         return lambda: run
 
-    # one call a round would time `short` at its 2 ms wake-up, the reference's 1 ms kept
-    choice = choose({"ref": waking("ref", 0.001, 0.001), "short": waking("short", 0.0002, 0.002)}, [], "ref")
+    # one call a round would time `short` at its 1.5 ms wake-up, the reference's 1 ms kept
+    choice = choose({"ref": waking("ref", 0.001, 0.001), "short": waking("short", 0.0002, 0.0015)}, [], "ref")
     assert choice.name == "short" and choice.ms["short"] == pytest.approx(0.2), choice.ms
     assert choice.ms["ref"] == pytest.approx(1.0)
-    # two rounds (apart), each sample after an untimed call: the reference SAMPLE_S / 1 ms calls; `short`
-    # 3 in the first (sized by its first run, 2 ms), then SAMPLE_S / 0.2 ms
-    assert runs == {"ref": 1 + 2 * (1 + round(SAMPLE_S / 0.001)),
-                    "short": 1 + (1 + 3) + (1 + round(SAMPLE_S / 0.0002))}, runs
+    # two rounds (apart), each sample after a warm-up call: the reference SAMPLE_S / 1 ms calls; `short`
+    # as many as its 1.5 ms calls fill SAMPLE_S in the first, then SAMPLE_S / 0.2 ms
+    assert runs["ref"] == 1 + 2 * (1 + round(SAMPLE_S / 0.001)), runs
+    # (one call more where the clock's sums round the quotient up)
+    assert runs["short"] == pytest.approx(1 + (1 + math.ceil(SAMPLE_S / 0.0015)) + (1 + SAMPLE_S / 0.0002), abs=1), runs
     # a call of SAMPLE_S or more is timed alone, as it comes
     runs.clear()
     choice = choose({"ref": waking("ref", 0.02, 0.02), "long": waking("long", SAMPLE_S, 0.03)}, [], "ref")
