@@ -30,7 +30,6 @@
  * thread's scratch. oneDNN picks its own ISA (ONEDNN_MAX_CPU_ISA caps it);
  * under a plan capped at the scalar reference the op runs linear's scalar
  * kernel instead. */
-#include <omp.h>
 #include <oneapi/dnnl/dnnl.h>
 #include <stdlib.h>
 #include <string.h>
@@ -40,6 +39,11 @@
 #if DNNL_CPU_THREADING_RUNTIME != DNNL_RUNTIME_OMP
 #error "matmul_dnnl sets OpenMP's thread count for oneDNN: it needs a oneDNN built on OpenMP (Debian's)"
 #endif
+
+/* OpenMP's own API (libgomp's, linked): declared here rather than through
+ * omp.h, which clang (the fuzzing build) has only with LLVM's OpenMP. */
+int omp_get_max_threads(void);
+void omp_set_num_threads(int n);
 
 /* One thread's share of the weight's columns [n0, n0 + n): its primitive and the
  * memory objects its execution binds (each slice its own: threads rebind theirs
