@@ -122,14 +122,14 @@ def _writable_shared_mappings() -> list[tuple[int, int]]:
     """The address ranges this process maps writable and shared (/proc/self/maps'
     "rw?s"); none where it cannot be read."""
     try:
-        with open("/proc/self/maps") as f:
+        with open("/proc/self/maps", "rb") as f:  # bytes: a mapped file's name need not be UTF-8
             maps = f.read()
     except OSError:
         return []
     return [(int(lo, 16), int(hi, 16)) for lo, hi in _WRITABLE_SHARED.findall(maps)]
 
 
-_WRITABLE_SHARED = re.compile(r"^([0-9a-f]+)-([0-9a-f]+) rw.s", re.MULTILINE)
+_WRITABLE_SHARED = re.compile(rb"^([0-9a-f]+)-([0-9a-f]+) rw.s", re.MULTILINE)
 
 
 def decide(weights: list[torch.Tensor], rows: int, kn: bool = False) -> Storage | None:

@@ -4,6 +4,8 @@ model, change dtypes, run out of cache — gives eager's tokens, or hands the
 graph to Inductor with the reason, or raises what eager raises."""
 
 import functools
+import mmap
+import os
 import threading
 import warnings
 
@@ -12,7 +14,7 @@ import torch
 from transformers import StaticCache
 
 import kwker
-from kwker import summary
+from kwker import summary, weights
 from kwker.testing import (_SMALL, block_mapped_again, in_shared_memory_block, make_config, mapped_again, random_model,
                             small_model)
 
@@ -158,6 +160,17 @@ def test_weights_shared_with_other_processes_are_read_as_stored_and_another_proc
     assert greedy(model) != before  # the writes decide the tokens
     assert_same_tokens(model, config)
     assert kinds() == ["decode-replay"], kwker.report()
+
+
+def test_a_mapped_file_whose_name_is_not_utf8_leaves_the_shared_memory_check_working(tmp_path):
+    """/proc/self/maps names every mapped file; read as text, a name that is not
+    UTF-8 made every weight's decision raise UnicodeDecodeError."""
+    path = os.path.join(os.fsencode(tmp_path), b"w\xff.bin")
+    with open(path, "wb") as f:
+        f.write(bytes(4096))
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 4096, prot=mmap.PROT_READ):
+        assert not weights.shared_with_other_processes([torch.zeros(4)])
+        assert weights.shared_with_other_processes([torch.zeros(4).share_memory_()])
 
 
 def test_weights_whose_storage_is_freed_and_allocated_again_are_read_fresh():
