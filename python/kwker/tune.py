@@ -405,7 +405,8 @@ def choose(builders: dict[str, Callable[[], Callable]], inputs: list, reference:
         """One sample of the candidate's call, seconds (see SAMPLE_S): a call,
         which is the sample where neither it nor call_s (the candidate's fastest
         call so far; its first run where it has no other) is under SAMPLE_S, else
-        the warm-up before the calls that fill SAMPLE_S at the faster of the two."""
+        the warm-up before the calls that fill SAMPLE_S at the faster of the two
+        (fewer where they are slower: the sample ends once SAMPLE_S has passed)."""
         fn = built[name]
         start = time.perf_counter()
         timed_run(fn)
@@ -414,10 +415,11 @@ def choose(builders: dict[str, Callable[[], Callable]], inputs: list, reference:
         if call_s >= SAMPLE_S:
             return once
         calls = min(SAMPLE_CALLS, math.ceil(SAMPLE_S / call_s) if call_s > 0 else SAMPLE_CALLS)
-        start = time.perf_counter()
-        for _ in range(calls):
+        start, made = time.perf_counter(), 0
+        while made < calls and (made == 0 or time.perf_counter() - start < SAMPLE_S):  # calls slower than call_s
             timed_run(fn)
-        return (time.perf_counter() - start) / calls
+            made += 1
+        return (time.perf_counter() - start) / made
 
     def measured(measure):
         """measure(), again without each candidate whose later run fails: it is

@@ -192,6 +192,20 @@ def test_a_short_call_is_timed_warm_as_the_mean_of_calls_after_an_untimed_one():
 
 
 @pytest.mark.usefixtures("virtual_time")
+def test_a_sample_ends_once_its_calls_fill_sample_s_when_they_are_slower_than_the_fastest_so_far():
+    runs = []
+
+    def slowing(*inputs):  # its first run 10 µs, every later call 1 ms (the machine got busy)
+        kwker.tune.time.sleep(1e-3 if runs else 1e-5)
+        runs.append(1)
+        return (torch.ones(3),)
+
+    choose({"ref": taking(0.02, torch.ones(3)), "slowing": lambda: slowing}, [], "ref")
+    # two rounds (apart), each a timed call and then calls until SAMPLE_S has passed, not SAMPLE_S / 10 µs
+    assert len(runs) == 1 + 2 * (1 + round(SAMPLE_S / 1e-3)), len(runs)
+
+
+@pytest.mark.usefixtures("virtual_time")
 def test_candidates_run_with_the_garbage_collector_paused_and_it_is_left_as_it_was():
     x = torch.ones(3)
     collecting = []  # gc.isenabled() at each run
