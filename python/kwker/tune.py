@@ -76,11 +76,12 @@ MARGIN = 0.97
 # 270 and eager's, where that round cost 0.7 s of a 7.7 s compile).
 MIN_ROUNDS, SEPARATED_ROUNDS, MAX_ROUNDS, BUDGET_S, CLEAR = 3, 2, 15, 1.0, 1.5
 # A candidate's time in a round is one sample: where its calls are shorter than SAMPLE_S,
-# one call untimed, then as many as fill SAMPLE_S (up to SAMPLE_CALLS), their mean;
-# else one call. (The untimed call is timed too: a call of SAMPLE_S or more, from a
-# candidate no faster so far, is the sample, as one call a round was before.) A call right after another candidate's pays for waking its threads
-# (PyTorch's OpenMP threads, kwker's pool), which slept while the other ran, and for
-# its memory out of cache; a user's loop calls the one kept back to back. A
+# one call to warm up, then as many as fill SAMPLE_S (up to SAMPLE_CALLS), their mean;
+# else one call. (The warm-up is timed too: a call of SAMPLE_S or more, from a
+# candidate no faster so far, is the sample, as one call a round was before.) A call
+# right after another candidate's pays for waking its threads (PyTorch's OpenMP
+# threads, kwker's pool), which slept while the other ran, and for its memory out of
+# cache; a user's loop calls the one kept back to back. A
 # 256 -> 512 -> 512 -> 64 float32 MLP at batch 8 (2-vCPU Intel Xeon, seven tunings
 # each, fresh caches): one call a round timed its plan at 0.13-0.27 ms, samples at
 # 0.053-0.061; eager (0.09 ms a call in the user's own loop) at 0.83-2.39 ms,
