@@ -75,10 +75,10 @@ MARGIN = 0.97
 # (DistilBERT fp32 with bf16-valued weights at batch 8: plan 140 ms against Inductor's
 # 270 and eager's, where that round cost 0.7 s of a 7.7 s compile).
 MIN_ROUNDS, SEPARATED_ROUNDS, MAX_ROUNDS, BUDGET_S, CLEAR = 3, 2, 15, 1.0, 1.5
-# A candidate's time in a round is one sample: where its calls are shorter than SAMPLE_S,
-# one call to warm up, then as many as fill SAMPLE_S (up to SAMPLE_CALLS), their mean;
-# else one call. (The warm-up is timed too: a call of SAMPLE_S or more, from a
-# candidate no faster so far, is the sample, as one call a round was before.) A call
+# A candidate's time in a round is one sample: where its calls are shorter than WARM_S,
+# one call to warm up, then as many as fill SAMPLE_S (up to SAMPLE_CALLS; one where a
+# call is SAMPLE_S or more), their mean; else one call. (The warm-up is timed too: a
+# call of WARM_S or more, from a candidate no faster so far, is the sample.) A call
 # right after another candidate's pays for waking its threads (PyTorch's OpenMP
 # threads, kwker's pool), which slept while the other ran, and for its memory out of
 # cache; a user's loop calls the one kept back to back. A
@@ -93,7 +93,10 @@ MIN_ROUNDS, SEPARATED_ROUNDS, MAX_ROUNDS, BUDGET_S, CLEAR = 3, 2, 15, 1.0, 1.5
 # on, a wake-up (tens of microseconds each for a few threads) is a share of a call
 # under this machine's noise. The cost: four candidates of 0.1 ms a call that
 # overlap, timed to MAX_ROUNDS, take 0.13 s in samples against 0.008 in single calls.
-SAMPLE_S, SAMPLE_CALLS = 0.002, 256
+# Up to WARM_S, a wake-up's tenth of a millisecond could still be a share of a call
+# near MARGIN's: one candidate timed cold at 2.0 ms warm and 2.1 cold was beaten by
+# one 2 % faster timed warm, had the cold call been its sample from SAMPLE_S on.
+SAMPLE_S, SAMPLE_CALLS, WARM_S = 0.002, 256, 0.02
 # Where a round of the candidates' first (checking) runs alone took longer than the
 # budget, it is the only round when it shows the choice against a steady call of
 # the reference (its first run, else one more run of it alone): none under MARGIN
@@ -405,7 +408,7 @@ def choose(builders: dict[str, Callable[[], Callable]], inputs: list, reference:
     def sample(name: str, call_s: float | None = None) -> float:
         """One sample of the candidate's call, seconds (see SAMPLE_S): a call,
         which is the sample where neither it nor call_s (the candidate's fastest
-        call so far; its first run where it has no other) is under SAMPLE_S, else
+        call so far; its first run where it has no other) is under WARM_S, else
         the warm-up before the calls that fill SAMPLE_S at the faster of the two
         (fewer where they are slower: the sample ends once SAMPLE_S has passed)."""
         fn = built[name]
@@ -413,7 +416,7 @@ def choose(builders: dict[str, Callable[[], Callable]], inputs: list, reference:
         timed_run(fn)
         once = time.perf_counter() - start
         call_s = min(once, min(times.get(name) or [first[name]]) if call_s is None else call_s)
-        if call_s >= SAMPLE_S:
+        if call_s >= WARM_S:
             return once
         calls = min(SAMPLE_CALLS, math.ceil(SAMPLE_S / call_s) if call_s > 0 else SAMPLE_CALLS)
         start, made = time.perf_counter(), 0

@@ -17,7 +17,7 @@ import torch
 import kwker
 import kwker.tune
 from kwker import summary
-from kwker.tune import MARGIN, SAMPLE_S, TRAINING_TOLERANCE, FirstCallServed, ForwardAndBackward, TruthFailed, call, choose
+from kwker.tune import MARGIN, SAMPLE_S, TRAINING_TOLERANCE, WARM_S, FirstCallServed, ForwardAndBackward, TruthFailed, call, choose
 from kwker.weights import HUGE_PAGES_BELOW_ROWS
 
 pytestmark = pytest.mark.usefixtures("fresh_compile_state")
@@ -79,22 +79,22 @@ def test_rounds_of_timing_stop_where_more_could_not_change_the_choice(monkeypatc
     runs = {}
     counted = functools.partial(counting, runs)
 
-    choose({"ref": counted("ref", 0.02), "fast": counted("fast", 0.01)}, [], "ref")
+    choose({"ref": counted("ref", 0.05), "fast": counted("fast", 0.025)}, [], "ref")
     assert runs["ref"] == runs["fast"] == 1 + 2  # the check run, then two separated rounds (within the budget)
     monkeypatch.setattr(kwker.tune, "BUDGET_S", 0.0)  # every call over the budget, as at batch 8
     runs.update(ref=0, close=0)
-    choose({"ref": counted("ref", 0.02), "close": counted("close", 0.015, 0.015, 0.03)}, [], "ref")
+    choose({"ref": counted("ref", 0.05), "close": counted("close", 0.0375, 0.0375, 0.075)}, [], "ref")
     # the reference run once more when a first run beat its first, which is its call in the one round that
     # follows; then the first runs stand in for a second round
     assert runs["ref"] == runs["close"] == 1 + 1
     runs.update(ref=0, close=0)
-    choose({"ref": counted("ref", 0.02), "close": counted("close", 0.015, 0.021)}, [], "ref")
+    choose({"ref": counted("ref", 0.05), "close": counted("close", 0.0375, 0.0525)}, [], "ref")
     assert runs["ref"] == runs["close"] == 1 + 1  # over the budget, and no timed call under the reference's: one round
     runs.update(ref=0, close=0)
-    choice = choose({"ref": counted("ref", 0.02), "close": counted("close", 0.021, 0.015)}, [], "ref")
+    choice = choose({"ref": counted("ref", 0.05), "close": counted("close", 0.0525, 0.0375)}, [], "ref")
     assert runs["ref"] == runs["close"] == 1 and choice.name == "ref"  # no first run under it: no timed round
     runs.update(ref=0, fast=0)  # a first run far under the reference's first chooses nothing: its second shows why
-    choice = choose({"ref": counted("ref", 0.04, 0.01), "fast": counted("fast", 0.02)}, [], "ref")
+    choice = choose({"ref": counted("ref", 0.1, 0.025), "fast": counted("fast", 0.05)}, [], "ref")
     assert choice.name == "ref" and runs["ref"] == 2 and runs["fast"] == 1, choice.ms
 
 
@@ -140,10 +140,10 @@ def test_a_candidate_two_calls_show_slower_than_another_sits_out_the_later_round
     counted = functools.partial(counting, runs)
 
     # short calls: the reference and `close` overlap, so rounds go on to the budget; `slow` after two rounds
-    choice = choose({"ref": counted("ref", 0.02), "close": counted("close", 0.015, 0.021),
-                     "slow": counted("slow", 0.04)}, [], "ref")
+    choice = choose({"ref": counted("ref", 0.05), "close": counted("close", 0.0375, 0.0525),
+                     "slow": counted("slow", 0.1)}, [], "ref")
     assert runs["slow"] == 1 + 2 and runs["ref"] == runs["close"] > 1 + 3, runs
-    assert choice.name == "ref" and choice.ms["slow"] == pytest.approx(40)
+    assert choice.name == "ref" and choice.ms["slow"] == pytest.approx(100)
     runs.clear()  # long calls: the first runs count as one of the two, so `slow` runs in one round only,
     # and as the third of the least rounds: the others, overlapping, get two timed rounds
     choice = choose({"ref": counted("ref", 0.5, 0.6, 0.6, 0.5), "close": counted("close", 0.45, 0.5, 0.6, 0.5),
@@ -156,8 +156,8 @@ def test_a_candidate_two_calls_show_slower_than_another_sits_out_the_later_round
     assert runs == {"ref": 1 + 2, "close": 1 + 2, "slow": 1} and choice.name == "close", runs
     assert choice.ms["slow"] == pytest.approx(600 * MARGIN)
     runs.clear()  # the reference is never left out: the margin is measured against it
-    choice = choose({"ref": counted("ref", 0.04), "fast": counted("fast", 0.015, 0.019),
-                     "close": counted("close", 0.016, 0.02)}, [], "ref")
+    choice = choose({"ref": counted("ref", 0.1), "fast": counted("fast", 0.0375, 0.0475),
+                     "close": counted("close", 0.04, 0.05)}, [], "ref")
     assert runs["ref"] == runs["fast"] == runs["close"] > 1 + 3 and choice.name == "fast", runs
 
 
@@ -165,7 +165,7 @@ def test_a_candidate_two_calls_show_slower_than_another_sits_out_the_later_round
 def test_a_short_call_is_timed_warm_as_the_mean_of_calls_after_an_untimed_one():
     """Each candidate's first call after another candidate's pays for waking
     its threads (`cold`); its calls in a loop take `warm`. Calls shorter than
-    SAMPLE_S are timed after an untimed one, as many together as fill SAMPLE_S."""
+    WARM_S are timed after an untimed one, as many together as fill SAMPLE_S."""
     last, runs = [None], {}
 
     def waking(name: str, warm: float, cold: float):
@@ -185,10 +185,14 @@ def test_a_short_call_is_timed_warm_as_the_mean_of_calls_after_an_untimed_one():
     assert runs["ref"] == 1 + 2 * (1 + round(SAMPLE_S / 0.001)), runs
     # (one call more where the clock's sums round the quotient up)
     assert runs["short"] == pytest.approx(1 + (1 + math.ceil(SAMPLE_S / 0.0015)) + (1 + SAMPLE_S / 0.0002), abs=1), runs
-    # a call of SAMPLE_S or more is timed alone, as it comes
+    # calls of SAMPLE_S or so, under WARM_S, are timed warm too: a candidate 2 % faster warm than the
+    # reference is not kept (under MARGIN), as it was when the reference's cold call was its sample
+    choice = choose({"ref": waking("ref", 0.002, 0.0021), "close": waking("close", 0.00196, 0.00199)}, [], "ref")
+    assert choice.name == "ref" and choice.ms == pytest.approx({"ref": 2.0, "close": 1.96}), choice.ms
+    # a call of WARM_S or more is timed alone, as it comes
     runs.clear()
-    choice = choose({"ref": waking("ref", 0.02, 0.02), "long": waking("long", SAMPLE_S, 0.03)}, [], "ref")
-    assert choice.ms["long"] == pytest.approx(30) and runs["long"] == runs["ref"], (choice.ms, runs)
+    choice = choose({"ref": waking("ref", 0.05, 0.05), "long": waking("long", WARM_S, 0.06)}, [], "ref")
+    assert choice.ms["long"] == pytest.approx(60) and runs["long"] == runs["ref"], (choice.ms, runs)
 
 
 @pytest.mark.usefixtures("virtual_time")
