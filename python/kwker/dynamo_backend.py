@@ -3,6 +3,7 @@
 
 import functools
 import logging
+import threading
 import time
 
 import torch
@@ -128,7 +129,8 @@ def tune_inference(gm: torch.fx.GraphModule, example_inputs, opts: KwkerOptions)
         choice = choose(builders, example_inputs, reference="inductor", truth="eager", written=written,
                         tolerance=output_tolerance(gm, example_inputs, TOLERANCE), gates={"frozen": cannot_win})
     except TruthFailed as e:
-        return raised_run_eagerly(e, gm)
+        return raised_run_eagerly(e, gm, TunedAtALaterCall(
+            gm, opts, [i for i, x in enumerate(example_inputs) if any(x is w for w in written)]))
     remember_unless_an_error(key, choice, choice.fallback)
     if choice.name == "frozen" and choice.fallback is not None:  # else Dynamo's graph, FrozenGraph's own
         choice.fn.fallback = choice.built[choice.fallback]
@@ -139,21 +141,69 @@ def tune_inference(gm: torch.fx.GraphModule, example_inputs, opts: KwkerOptions)
     return "tuned", served, detail
 
 
-def raised_run_eagerly(e: TruthFailed, gm: torch.fx.GraphModule, backward: bool = False):
+def raised_run_eagerly(e: TruthFailed, gm: torch.fx.GraphModule, later: "TunedAtALaterCall | None" = None):
     """The graph failed run eagerly on the call's inputs (a user's error: a
     float32 input to a bf16 Linear, a token id past the vocabulary; or a
     training graph's backward, which the call itself may not run): it is run
     eagerly, so that this call and every later one that fails so raise eager's
-    error. Raised here, it was Dynamo's BackendCompilerFailed, which blamed
-    kwker, and Dynamo compiled the graph again at every call; stock
+    error; an inference graph (`later`) is tuned at the first later call that
+    does not raise. Raised here, it was Dynamo's BackendCompilerFailed, which
+    blamed kwker, and Dynamo compiled the graph again at every call; stock
     Inductor's graph aborts the process where its bounds check throws inside
     an OpenMP parallel region. A later call of other shapes or dtypes is
-    compiled afresh (Dynamo's guards); one of these is run eagerly, untuned,
-    which the warning says."""
-    why = f"the graph raised run eagerly on the first call's inputs{' (forward and backward)' * backward}: {e}; " \
-          "it runs eagerly, untuned, until torch._dynamo.reset()"
+    compiled afresh (Dynamo's guards); a training graph's of these is run
+    eagerly, untuned, which the warning says."""
+    until = "torch._dynamo.reset()" if later is None else "a call of these shapes that does not raise, which is tuned"
+    why = f"the graph raised run eagerly on the first call's inputs{' (forward and backward)' * (later is None)}: " \
+          f"{e}; it runs eagerly, untuned, until {until}"
     log.warning("kwker: %s", why)
-    return "eager", quiet(gm), {"why": why}  # its forward, as Dynamo's eager backend: __call__ prints the failing line
+    # its forward, as Dynamo's eager backend: __call__ prints the failing line
+    return "eager", quiet(gm) if later is None else later, {"why": why}
+
+
+class TunedAtALaterCall:
+    """An inference graph whose first call raised run eagerly (raised_run_eagerly),
+    tuned at the first later call that does not: until then each call runs it
+    eagerly on copies of the inputs it writes, so that one that fails again
+    raises eager's error at the cost of eager's run and writes nothing (the
+    tuning would trace and reserve weights first); the first that does not is
+    tuned on its inputs as a first call is, and the candidate kept serves it
+    and every later call. Before, the graph ran eagerly, untuned, until
+    torch._dynamo.reset(): one bad token id in a server's first request kept
+    every later request of those shapes on eager's speed. (A training graph's
+    still does: its backward, which the call may not run, is what may fail.)"""
+
+    checked_args = frozenset()  # for kwker.guards: the guards noted at the compile are all kept
+
+    def __init__(self, gm: torch.fx.GraphModule, opts: KwkerOptions, written: list[int]):
+        self.gm, self.opts, self.written = gm, opts, frozenset(written)  # written: indices of the inputs
+        self.fn, self._lock = None, threading.Lock()
+
+    def __call__(self, *args):
+        fn = self.fn
+        if fn is None:
+            with self._lock:
+                fn = self.fn or self._tuned(list(args))
+        return fn(*args)
+
+    def _tuned(self, inputs: list):
+        """What serves this call: the candidate kept, else (eager's run in the
+        tuning raised where the one on copies did not) the graph run eagerly."""
+        quiet(self.gm)(*[x.clone() if i in self.written else x for i, x in enumerate(inputs)])  # eager's error
+        start = time.perf_counter()
+        # Outside inference mode, as Dynamo compiles (weight copies are written later, outside it);
+        # inference_mode(False) turns grad mode on, which the graph's runs must not have.
+        grad = torch.is_grad_enabled()
+        with torch.inference_mode(False), torch.set_grad_enabled(grad):
+            kind, fn, detail = tune_inference(self.gm, inputs, self.opts)
+        if isinstance(fn, TunedAtALaterCall):
+            return quiet(self.gm)
+        seconds = time.perf_counter() - start
+        why = "its first call raised run eagerly; tuned at the first later call that did not"
+        entry = summary.record(kind=kind, nodes=len(self.gm.graph.nodes), seconds=seconds, reason=why, **detail)
+        log.info("graph %d (%d nodes): %s in %.2f s — %s", entry.index, entry.nodes, kind, seconds, entry.why)
+        self.fn = fn
+        return fn
 
 
 def remember_unless_an_error(key: str, choice, fallback: str | None):
@@ -256,7 +306,7 @@ def tune_training(gm: torch.fx.GraphModule, example_inputs, opts: KwkerOptions):
                         truth="eager", run=ForwardAndBackward(), written=written,
                         tolerance=output_tolerance(gm, example_inputs, TRAINING_TOLERANCE))
     except TruthFailed as e:
-        return raised_run_eagerly(e, gm, backward=True)
+        return raised_run_eagerly(e, gm)
     remember_unless_an_error(key, choice, None)
     # Inductor kept is compiled again as stock Inductor compiles it, its backward lazily: the
     # timed one's, compiled before any backward said whether it keeps the graph, takes

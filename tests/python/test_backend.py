@@ -1,5 +1,6 @@
 """The backend as torch sees it: discovery, options, mode, routing, logging."""
 
+import copy
 import itertools
 import os
 import subprocess
@@ -196,11 +197,64 @@ with torch.set_grad_enabled({grad}):
             compiled(input_ids=ids, labels=ids).loss.sum().item()
         except IndexError as e:
             print("raised as eager" if str(e) == eager else e)
+    good = ids % 64  # then tuned (inference) or still run eagerly (training), eager's loss either way
+    torch.testing.assert_close(compiled(input_ids=good, labels=good).loss, model(input_ids=good, labels=good).loss)
 print("alive")
 """
     out = run_python(code)
     assert out.returncode == 0 and out.stdout.split() == ["raised", "as", "eager"] * 2 + ["alive"], out
     assert "runs eagerly, untuned" in out.stderr, out.stderr
+
+
+class _CountsAndEmbeds(torch.nn.Module):
+    def __init__(self, counts: bool):
+        super().__init__()
+        self.embedding, self.linear = torch.nn.Embedding(64, 32), torch.nn.Linear(32, 32)
+        self.register_buffer("calls", torch.zeros(4))
+        self.counts = counts
+
+    def forward(self, ids):
+        if self.counts:
+            self.calls.add_(1)  # written before the op that raises
+        return self.linear(self.embedding(ids)).relu().sum(1)
+
+
+@pytest.mark.parametrize("counts", [True, False], ids=["writes", "writes-nothing"])
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
+def test_an_inference_graph_whose_first_call_raised_is_tuned_at_the_first_later_call_that_does_not(mode, counts):
+    """A token id past the vocabulary at the first call: the graph ran eagerly,
+    untuned, for every later call of those shapes until torch._dynamo.reset().
+    Now each later call that raises raises eager's error and writes nothing
+    (as the first, whose write the tuning put back); the first that does not
+    is tuned, its input written once, and the candidate kept serves it."""
+    from kwker import summary
+
+    torch.manual_seed(0)
+    model = _CountsAndEmbeds(counts)
+    eager = copy.deepcopy(model)
+    bad, good = torch.full((2, 8), 70), torch.randint(0, 64, (2, 8))
+    goods = (good, good.flip(1))  # made outside inference mode: an inference tensor is compiled for afresh
+    with pytest.raises(IndexError) as expected:
+        copy.deepcopy(model)(bad)
+    summary.clear()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="kwker")
+    with mode():
+        for _ in range(2):
+            with pytest.raises(IndexError) as raised:
+                compiled(bad)
+            assert str(raised.value) == str(expected.value)
+            assert model.calls.eq(0).all(), model.calls
+        (graph,) = summary.graphs()
+        assert graph.kind == "eager" and "which is tuned" in graph.why, kwker.report()
+        for ids in goods:
+            out = compiled(ids)
+            torch.testing.assert_close(out, eager(ids))
+            torch.testing.assert_close(model.calls, eager.calls)
+            assert not out.requires_grad  # the tuning at the call kept its grad mode (it serves its outputs)
+    assert [g.kind for g in summary.graphs()] == ["eager", "tuned"], kwker.report()
+    assert "tuned at the first later call" in summary.graphs()[1].why, kwker.report()
+    torch._dynamo.reset()
 
 
 def test_a_tensor_subclass_overriding_torch_function_gives_eagers_values():
