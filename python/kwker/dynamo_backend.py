@@ -3,6 +3,7 @@
 
 import functools
 import logging
+import operator
 import threading
 import time
 
@@ -350,7 +351,8 @@ def traced(gm: torch.fx.GraphModule, example_inputs):
 
 
 def compile_with_inductor(gm: torch.fx.GraphModule, example_inputs, opts: KwkerOptions, caches=True):
-    """Inductor's compile of gm; with caches=False (tune_training's timed compile)
+    """Inductor's compile of gm, its embeddings' indices checked where they are
+    inputs (IndicesChecked); with caches=False (tune_training's timed compile)
     neither read from nor written to Inductor's FX-graph and AOTAutograd caches,
     local or remote.
     Without the AOTAutograd cache too where two inputs share a storage: torch
@@ -369,4 +371,61 @@ def compile_with_inductor(gm: torch.fx.GraphModule, example_inputs, opts: KwkerO
     remote_autograd_cache = torch._functorch.config.enable_remote_autograd_cache and caches
     with torch._functorch.config.patch(enable_autograd_cache=autograd_cache,
                                        enable_remote_autograd_cache=remote_autograd_cache):
-        return compile_fx(gm, example_inputs, config_patches=patches)
+        compiled = compile_fx(gm, example_inputs, config_patches=patches)
+    checks = embedding_indices(gm, example_inputs)
+    return IndicesChecked(compiled, gm, checks) if checks else compiled
+
+
+# Ops through which an input's values reach an embedding unchanged (a view, a copy,
+# a slice of it), in Dynamo's graph (methods, functions) and in ATen's.
+_SAME_VALUES = {"view", "reshape", "contiguous", "flatten", "unsqueeze", "squeeze", "expand", "clone",
+                operator.getitem, torch.reshape, torch.flatten, torch.unsqueeze, torch.squeeze,
+                *(getattr(torch.ops.aten, name).default for name in
+                  ("view", "_unsafe_view", "reshape", "unsqueeze", "expand", "clone", "alias")),
+                torch.ops.aten.slice.Tensor, torch.ops.aten.squeeze.dim, torch.ops.aten.squeeze.dims}
+
+
+def embedding_indices(gm: torch.fx.GraphModule, example_inputs) -> list[tuple[int, int]]:
+    """(input position, the number of rows) for each CPU integer input whose
+    values an embedding takes as its indices, directly or through _SAME_VALUES
+    (the fewest rows where several embeddings take them)."""
+    placeholders = {n: i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
+    rows: dict[int, int] = {}
+    for node in gm.graph.nodes:
+        if node.target is torch.nn.functional.embedding:
+            indices, weight = node.args[0], node.kwargs.get("weight", node.args[1] if len(node.args) > 1 else None)
+        elif node.target is torch.ops.aten.embedding.default:
+            weight, indices = node.args[:2]
+        else:
+            continue
+        while isinstance(indices, torch.fx.Node) and indices.op != "placeholder" and indices.args and \
+                (indices.target in _SAME_VALUES):
+            indices = indices.args[0]
+        value = weight.meta.get("example_value", weight.meta.get("val")) if isinstance(weight, torch.fx.Node) else None
+        i = placeholders.get(indices)
+        if i is None or not isinstance(value, torch.Tensor) or not isinstance(example_inputs[i], torch.Tensor) or \
+                example_inputs[i].device.type != "cpu" or example_inputs[i].is_floating_point():
+            continue
+        rows[i] = min(rows.get(i, value.shape[0]), value.shape[0])
+    return sorted(rows.items())
+
+
+class IndicesChecked:
+    """An Inductor-compiled graph whose embeddings take inputs' values as
+    indices: each call checks them first (an aminmax each, 2-4 µs) and where
+    one is out of range runs the graph eagerly, which raises eager's
+    IndexError. Inductor's bounds check throws inside an OpenMP parallel
+    region where the lookup is parallel, and the process aborts (stock
+    Inductor's too): one token id past a served model's vocabulary ended
+    every request."""
+
+    def __init__(self, fn, gm: torch.fx.GraphModule, checks: list[tuple[int, int]]):
+        self.fn, self.gm, self.checks = fn, gm, checks
+
+    def __call__(self, *args):
+        for i, rows in self.checks:
+            if args[i].numel():
+                low, high = torch.aminmax(args[i])
+                if low.item() < 0 or high.item() >= rows:
+                    return quiet(self.gm)(*args)
+        return self.fn(*args)

@@ -257,6 +257,41 @@ def test_an_inference_graph_whose_first_call_raised_is_tuned_at_the_first_later_
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("how", ["inner-inductor", "training", "tuned"])
+def test_a_token_id_past_the_vocabulary_at_a_later_call_raises_eagers_index_error_where_inductor_compiled_it(how):
+    """Inductor's bounds check of an embedding's indices throws inside an OpenMP
+    parallel region where the lookup is parallel (8 x 512 rows here), and the
+    process aborted (stock Inductor's too); Inductor's graphs now check the
+    indices that are inputs first. Run in a child, which such an abort kills."""
+    code = f"""
+import torch
+emb, lin = torch.nn.Embedding(1000, 256), torch.nn.Linear(256, 256)
+def f(ids, type_ids):
+    return lin(emb(ids.view(8, 512)) + emb(type_ids)).relu().sum()
+options = {{"inner": "inductor"}} if "{how}" == "inner-inductor" else None
+compiled = torch.compile(f, backend="kwker", options=options)
+ids, type_ids = torch.randint(0, 1000, (8, 512)), torch.zeros(8, 512, dtype=torch.long)
+with torch.set_grad_enabled("{how}" == "training"):
+    compiled(ids, type_ids)
+    for bad, bad_type in ((1000, 0), (-1, 0), (0, 1000)):
+        i, t = ids.clone(), type_ids.clone()
+        i[5, 300], t[7, 511] = bad, bad_type
+        try:
+            f(i, t)
+        except IndexError as e:
+            eager = str(e)
+        try:
+            compiled(i, t)
+        except IndexError as e:  # a plan's names the index and the step after eager's message
+            print("raised as eager" if str(e).startswith(eager) else e)
+    torch.testing.assert_close(compiled(ids, type_ids), f(ids, type_ids))
+import kwker
+print(kwker.report())
+"""
+    out = run_python(code)
+    assert out.returncode == 0 and out.stdout.split()[:9] == ["raised", "as", "eager"] * 3, out
+
+
 def test_a_tensor_subclass_overriding_torch_function_gives_eagers_values():
     """Dynamo traces what __torch_function__ does into the graph; the tuning ran
     that graph again on the subclass inputs as its truth and as the eager
