@@ -398,13 +398,14 @@ def embedding_indices(gm: torch.fx.GraphModule, example_inputs) -> list[tuple[in
             weight, indices = node.args[:2]
         else:
             continue
-        while isinstance(indices, torch.fx.Node) and indices.op != "placeholder" and indices.args and \
-                (indices.target in _SAME_VALUES):
+        while isinstance(indices, torch.fx.Node) and indices.op in ("call_method", "call_function") and \
+                indices.args and indices.target in _SAME_VALUES:
             indices = indices.args[0]
         value = weight.meta.get("example_value", weight.meta.get("val")) if isinstance(weight, torch.fx.Node) else None
         i = placeholders.get(indices)
-        if i is None or not isinstance(value, torch.Tensor) or not isinstance(example_inputs[i], torch.Tensor) or \
-                example_inputs[i].device.type != "cpu" or example_inputs[i].is_floating_point():
+        if i is None or not isinstance(value, torch.Tensor) or not isinstance(value.shape[0], int) or \
+                not isinstance(example_inputs[i], torch.Tensor) or example_inputs[i].device.type != "cpu" or \
+                example_inputs[i].is_floating_point():
             continue
         rows[i] = min(rows.get(i, value.shape[0]), value.shape[0])
     return sorted(rows.items())
