@@ -297,10 +297,15 @@ class CopiedWeight:
         """Packs the copy again from tensors (the sources' current values, of
         the dtypes and shapes watched: plan._Refresh checks), watching them
         afresh first; False when it cannot be made the same way (no longer
-        bf16-valued): the plan is rebuilt then. Where the packing fails on the
+        bf16-valued) or must not be made at all (a source moved into memory
+        other processes share: share_memory() after the plan was made): the
+        plan is rebuilt then, and decides again. Where the packing fails on the
         way (an interrupt, no memory), the watches report changed until the next
         refresh: rearmed, they would have passed the half-made copy as fresh."""
         if self.storage.dtype != copy_dtype(tensors) and self.storage.dtype == torch.bfloat16:
+            return False
+        moved = [t for w, t in zip(self.watches, tensors) if w.moved(t)]
+        if moved and shared_with_other_processes(moved):
             return False
         try:
             for i, t in enumerate(tensors):
