@@ -3,13 +3,13 @@
 
 import functools
 import logging
-import operator
 import threading
 import time
 
 import torch
 
 from kwker import choices, guards, summary
+from kwker.bounds import IndicesChecked, index_inputs
 from kwker.aten_graph import trace_to_aten
 from kwker.decode import compile_decode_step
 from kwker.freeze import FrozenGraph, cannot_win, worth_freezing
@@ -165,14 +165,17 @@ def raised_run_eagerly(e: TruthFailed, gm: torch.fx.GraphModule, later: "TunedAt
 class TunedAtALaterCall:
     """An inference graph whose first call raised run eagerly (raised_run_eagerly),
     tuned at the first later call that does not: until then each call runs it
-    eagerly on copies of the inputs it writes, so that one that fails again
-    raises eager's error at the cost of eager's run and writes nothing (the
-    tuning would trace and reserve weights first); the first that does not is
-    tuned on its inputs as a first call is, and the candidate kept serves it
-    and every later call. Before, the graph ran eagerly, untuned, until
-    torch._dynamo.reset(): one bad token id in a server's first request kept
-    every later request of those shapes on eager's speed. (A training graph's
-    still does: its backward, which the call may not run, is what may fail.)"""
+    eagerly on copies of the inputs it writes (_on_copied_storages), so that
+    one that fails again raises eager's error at the cost of eager's run and
+    writes nothing (the tuning would trace and reserve weights first); the
+    first that does not is tuned on its inputs as a first call is (those it
+    writes that are inference tensors copied: Dynamo's compile traces them as
+    fake tensors, this one as they are, and outside inference mode they may
+    not be written), and the candidate kept serves it and every later call.
+    Before, the graph ran eagerly, untuned, until torch._dynamo.reset(): one
+    bad token id in a server's first request kept every later request of those
+    shapes on eager's speed. (A training graph's still does: its backward,
+    which the call may not run, is what may fail.)"""
 
     checked_args = frozenset()  # for kwker.guards: the guards noted at the compile are all kept
 
@@ -190,13 +193,15 @@ class TunedAtALaterCall:
     def _tuned(self, inputs: list):
         """What serves this call: the candidate kept, else (eager's run in the
         tuning raised where the one on copies did not) the graph run eagerly."""
-        quiet(self.gm)(*[x.clone() if i in self.written else x for i, x in enumerate(inputs)])  # eager's error
+        written = [inputs[i] for i in self.written]
+        quiet(self.gm)(*_on_copied_storages(inputs, written))  # eager's error, if it raises again
         start = time.perf_counter()
         # Outside inference mode, as Dynamo compiles (weight copies are written later, outside it);
         # inference_mode(False) turns grad mode on, which the graph's runs must not have.
         grad = torch.is_grad_enabled()
         with torch.inference_mode(False), torch.set_grad_enabled(grad):
-            kind, fn, detail = tune_inference(self.gm, inputs, self.opts)
+            tuned_on = _on_copied_storages(inputs, [x for x in written if x.is_inference()])
+            kind, fn, detail = tune_inference(self.gm, tuned_on, self.opts)
         if isinstance(fn, TunedAtALaterCall):
             return quiet(self.gm)
         seconds = time.perf_counter() - start
@@ -205,6 +210,24 @@ class TunedAtALaterCall:
         log.info("graph %d (%d nodes): %s in %.2f s — %s", entry.index, entry.nodes, kind, seconds, entry.why)
         self.fn = fn
         return fn
+
+
+def _on_copied_storages(inputs: list, tensors: list[torch.Tensor]) -> list:
+    """inputs, each tensor that shares memory with one of `tensors` remade over
+    one copy of that memory, at its offset, size and strides: a run on these
+    writes none of them, and sees its own writes through every input that
+    aliases the one written, as a run on the inputs does."""
+    storages = {t.untyped_storage().data_ptr() for t in tensors}
+    copies, out = {}, []
+    for x in inputs:
+        if isinstance(x, torch.Tensor) and x.untyped_storage().data_ptr() in storages:
+            storage = x.untyped_storage()
+            copy = copies.get(storage.data_ptr())
+            if copy is None:
+                copy = copies[storage.data_ptr()] = storage.clone()
+            x = torch.empty(0, dtype=x.dtype).set_(copy, x.storage_offset(), x.shape, x.stride())
+        out.append(x)
+    return out
 
 
 def remember_unless_an_error(key: str, choice, fallback: str | None):
@@ -351,8 +374,8 @@ def traced(gm: torch.fx.GraphModule, example_inputs):
 
 
 def compile_with_inductor(gm: torch.fx.GraphModule, example_inputs, opts: KwkerOptions, caches=True):
-    """Inductor's compile of gm, its embeddings' indices checked where they are
-    inputs (IndicesChecked); with caches=False (tune_training's timed compile)
+    """Inductor's compile of gm, the indices it reads from inputs checked
+    before each call (kwker.bounds); with caches=False (tune_training's timed compile)
     neither read from nor written to Inductor's FX-graph and AOTAutograd caches,
     local or remote.
     Without the AOTAutograd cache too where two inputs share a storage: torch
@@ -372,61 +395,5 @@ def compile_with_inductor(gm: torch.fx.GraphModule, example_inputs, opts: KwkerO
     with torch._functorch.config.patch(enable_autograd_cache=autograd_cache,
                                        enable_remote_autograd_cache=remote_autograd_cache):
         compiled = compile_fx(gm, example_inputs, config_patches=patches)
-    checks = embedding_indices(gm, example_inputs)
+    checks = index_inputs(gm, example_inputs)
     return IndicesChecked(compiled, gm, checks) if checks else compiled
-
-
-# Ops through which an input's values reach an embedding unchanged (a view, a copy,
-# a slice of it), in Dynamo's graph (methods, functions) and in ATen's.
-_SAME_VALUES = {"view", "reshape", "contiguous", "flatten", "unsqueeze", "squeeze", "expand", "clone",
-                operator.getitem, torch.reshape, torch.flatten, torch.unsqueeze, torch.squeeze,
-                *(getattr(torch.ops.aten, name).default for name in
-                  ("view", "_unsafe_view", "reshape", "unsqueeze", "expand", "clone", "alias")),
-                torch.ops.aten.slice.Tensor, torch.ops.aten.squeeze.dim, torch.ops.aten.squeeze.dims}
-
-
-def embedding_indices(gm: torch.fx.GraphModule, example_inputs) -> list[tuple[int, int]]:
-    """(input position, the number of rows) for each CPU integer input whose
-    values an embedding takes as its indices, directly or through _SAME_VALUES
-    (the fewest rows where several embeddings take them)."""
-    placeholders = {n: i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
-    rows: dict[int, int] = {}
-    for node in gm.graph.nodes:
-        if node.target is torch.nn.functional.embedding:
-            indices, weight = node.args[0], node.kwargs.get("weight", node.args[1] if len(node.args) > 1 else None)
-        elif node.target is torch.ops.aten.embedding.default:
-            weight, indices = node.args[:2]
-        else:
-            continue
-        while isinstance(indices, torch.fx.Node) and indices.op in ("call_method", "call_function") and \
-                indices.args and indices.target in _SAME_VALUES:
-            indices = indices.args[0]
-        value = weight.meta.get("example_value", weight.meta.get("val")) if isinstance(weight, torch.fx.Node) else None
-        i = placeholders.get(indices)
-        if i is None or not isinstance(value, torch.Tensor) or not isinstance(value.shape[0], int) or \
-                not isinstance(example_inputs[i], torch.Tensor) or example_inputs[i].device.type != "cpu" or \
-                example_inputs[i].is_floating_point():
-            continue
-        rows[i] = min(rows.get(i, value.shape[0]), value.shape[0])
-    return sorted(rows.items())
-
-
-class IndicesChecked:
-    """An Inductor-compiled graph whose embeddings take inputs' values as
-    indices: each call checks them first (an aminmax each, 2-4 µs) and where
-    one is out of range runs the graph eagerly, which raises eager's
-    IndexError. Inductor's bounds check throws inside an OpenMP parallel
-    region where the lookup is parallel, and the process aborts (stock
-    Inductor's too): one token id past a served model's vocabulary ended
-    every request."""
-
-    def __init__(self, fn, gm: torch.fx.GraphModule, checks: list[tuple[int, int]]):
-        self.fn, self.gm, self.checks = fn, gm, checks
-
-    def __call__(self, *args):
-        for i, rows in self.checks:
-            if args[i].numel():
-                low, high = torch.aminmax(args[i])
-                if low.item() < 0 or high.item() >= rows:
-                    return quiet(self.gm)(*args)
-        return self.fn(*args)

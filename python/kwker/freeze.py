@@ -27,7 +27,9 @@ import torch
 from torch.nn.utils.fusion import fuse_conv_bn_weights
 
 from kwker import _C, weights
+from kwker.bounds import index_inputs, out_of_range
 from kwker.guards import in_module
+from kwker.tune import quiet
 from kwker.rewrite.match import TORCH_CONVOLUTIONS, convolution_operands
 
 log = logging.getLogger(__name__)
@@ -62,8 +64,11 @@ class FrozenGraph:
         # What runs once the frozen values are stale: Dynamo's graph, eagerly, until the
         # tuner sets the next fastest candidate (a write during the timing finds it here).
         self.fallback = gm
+        self.checks, self.eager = index_inputs(gm, example_inputs), quiet(gm)  # see kwker.bounds
 
     def __call__(self, *args):
+        if out_of_range(self.checks, args):
+            return self.eager(*args)
         live = self.live
         if live is not None:
             compiled, watches = live

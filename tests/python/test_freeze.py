@@ -2,6 +2,8 @@
 constants kwker watches, never read stale."""
 
 import gc
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -80,6 +82,40 @@ def test_a_frozen_graph_follows_every_change_of_the_models_tensors(edit):
         torch.testing.assert_close(compiled(x), after, rtol=1e-4, atol=1e-5)
         assert frozen.live is None
         torch.testing.assert_close(compiled(x), after, rtol=1e-4, atol=1e-5)
+
+
+def test_a_frozen_graph_given_a_class_id_past_its_embedding_raises_eagers_index_error():
+    """Its Inductor graph's bounds check throws inside an OpenMP parallel region
+    where the lookup is parallel, which aborts the process: the ids it reads
+    from an input are checked first (kwker.bounds). Run in a child."""
+    code = """
+import torch
+from kwker.freeze import FrozenGraph
+class Conditioned(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn = torch.nn.Conv2d(3, 64, 3, padding=1), torch.nn.BatchNorm2d(64)
+        self.classes = torch.nn.Embedding(10, 64 * 32 * 32)
+    def forward(self, x, label):
+        return self.bn(self.conv(x)) + self.classes(label).view(-1, 64, 32, 32)
+model, x = Conditioned().eval(), torch.randn(8, 3, 32, 32)
+made = []
+def backend(gm, example_inputs):
+    made.append(FrozenGraph(gm, example_inputs, {}))
+    return made[-1]
+with torch.no_grad():
+    compiled = torch.compile(model, backend=backend)
+    label = torch.arange(8)
+    torch.testing.assert_close(compiled(x, label), model(x, label), rtol=1e-4, atol=1e-5)
+    try:
+        compiled(x, label + 3)
+    except IndexError as e:
+        print("raised", e)
+    print(made[0].live is not None)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and out.stdout.split()[:5] == ["raised", "index", "out", "of", "range"], out
+    assert out.stdout.split()[-1] == "True", out.stdout
 
 
 def test_a_sigsegv_handler_installed_after_a_frozen_graph_is_put_behind_kwkers_at_its_next_call():
