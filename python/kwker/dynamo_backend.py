@@ -392,8 +392,12 @@ def compile_with_inductor(gm: torch.fx.GraphModule, example_inputs, opts: KwkerO
         patches.update(fx_graph_cache=False, fx_graph_remote_cache=False)
     autograd_cache = torch._functorch.config.enable_autograd_cache and caches and not shared
     remote_autograd_cache = torch._functorch.config.enable_remote_autograd_cache and caches
+    try:  # read before Inductor, which may change the graph it is given
+        checks = index_inputs(gm, example_inputs)
+    except Exception:  # a bug of kwker's: Inductor's graph as stock Inductor runs it, logged
+        log.warning("kwker: finding the graph's index inputs failed; they are not checked", exc_info=True)
+        checks = []
     with torch._functorch.config.patch(enable_autograd_cache=autograd_cache,
                                        enable_remote_autograd_cache=remote_autograd_cache):
         compiled = compile_fx(gm, example_inputs, config_patches=patches)
-    checks = index_inputs(gm, example_inputs)
     return IndicesChecked(compiled, gm, checks) if checks else compiled

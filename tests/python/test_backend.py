@@ -334,6 +334,22 @@ print(*(g.choice or g.kind for g in summary.graphs()))
     assert set(out.stdout.split()[4:]) == {"inductor"}, out.stdout
 
 
+def test_a_failure_to_find_the_index_inputs_leaves_inductors_graph_unchecked_and_logged(monkeypatch, caplog):
+    import kwker.dynamo_backend
+
+    def fails(gm, example_inputs):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(kwker.dynamo_backend, "index_inputs", fails)
+    emb, ids = torch.nn.Embedding(10, 4), torch.randint(0, 10, (2, 6))
+    torch._dynamo.reset()
+    compiled = torch.compile(emb, backend="kwker", options={"inner": "inductor"})
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(ids), emb(ids))
+    assert "finding the graph's index inputs failed" in caplog.text
+    torch._dynamo.reset()
+
+
 def test_index_inputs_are_those_read_unchanged_and_not_written_first():
     """An input's values read as indices through views and slices are checked
     (a table's rows, the narrowest of two; indexing wraps negative ones);
