@@ -64,8 +64,9 @@ class FrozenGraph:
         # What runs once the frozen values are stale: Dynamo's graph, eagerly, until the
         # tuner sets the next fastest candidate (a write during the timing finds it here).
         self.fallback = gm
-        self.checks, self.eager = index_inputs(gm, example_inputs), quiet(gm)  # see kwker.bounds (a failure: no
-        # frozen candidate, the others timed)
+        # The index inputs checked before each call (kwker.bounds), in Dynamo's graph, which Inductor
+        # was given a copy of; where finding them fails, so does this candidate's build (the others timed).
+        self.checks, self.eager = index_inputs(gm, example_inputs), quiet(gm)
 
     def __call__(self, *args):
         if out_of_range(self.checks, args):
