@@ -19,7 +19,9 @@ def compile_config(**kwargs):
       looking the name up at once race in torch's registry ("duplicate name:
       kwker");
     - ``mode=None``: CompileConfig's default "reduce-overhead" would clash with
-      ``options=``;
+      ``options=`` (torch.compile takes one or the other); a mode given here
+      becomes its Inductor settings among the options, as kwker's backend
+      reads a mode;
     - ``options={"guard_filter_fn": kwker.guard_filter}``: Dynamo's guards on
       the parameters that kwker's plan checks again itself are dropped
       (kwker.guards; ``"guard_filter_fn": None`` keeps every guard); other
@@ -35,7 +37,10 @@ def compile_config(**kwargs):
 
     from kwker.guards import guard_filter
 
-    options = {"guard_filter_fn": guard_filter, **(kwargs.pop("options", None) or {})}
+    from kwker.options import mode_patches
+
+    options = {"guard_filter_fn": guard_filter, **mode_patches(kwargs.pop("mode", None)),
+               **(kwargs.pop("options", None) or {})}
     config = CompileConfig(**{"backend": _registered_backend(), "mode": None, "fullgraph": False, "options": options,
                               **kwargs})
     config._compile_all_devices = True

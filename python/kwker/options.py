@@ -38,7 +38,7 @@ def parse_options(mode: str | None = None, options: dict[str, Any] | None = None
 
     if options is not None and not isinstance(options, dict):
         raise ValueError(f"kwker: options must be a dict, got {type(options).__name__}. {KWKER_OPTIONS_HELP}")
-    patches = dict(_mode_patches(mode))
+    patches = dict(mode_patches(mode))
     inner, glue = None, True
     known = inductor_config.get_config_copy()
     for key, value in (options or {}).items():
@@ -57,7 +57,8 @@ def parse_options(mode: str | None = None, options: dict[str, Any] | None = None
     return KwkerOptions(inner=inner, glue=glue, mode=mode, inductor_patches=patches)
 
 
-def _mode_patches(mode: str | None) -> dict[str, Any]:
+def mode_patches(mode: str | None) -> dict[str, Any]:
+    """Inductor's settings for torch.compile's mode (torch._inductor.list_mode_options)."""
     if mode is None or mode == "default":
         return {}
     from torch._inductor import list_mode_options

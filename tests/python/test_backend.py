@@ -334,6 +334,24 @@ print(*(g.choice or g.kind for g in summary.graphs()))
     assert set(out.stdout.split()[4:]) == {"inductor"}, out.stdout
 
 
+def test_compile_config_takes_a_mode_as_its_inductor_settings():
+    """torch.compile takes mode= or options=, not both, and kwker's config
+    always has options (its guard filter): compile_config(mode="max-autotune")
+    raised torch's error at generate()'s first compile."""
+    config = kwker.compile_config(mode="max-autotune-no-cudagraphs", options={"coordinate_descent_tuning": False})
+    assert config.mode is None and config.options["max_autotune"] is True, config.options
+    assert config.options["coordinate_descent_tuning"] is False and "guard_filter_fn" in config.options
+    with pytest.raises(ValueError, match="mode=bogus"):
+        kwker.compile_config(mode="bogus")
+    config = kwker.compile_config(mode="reduce-overhead")
+    lin, x = torch.nn.Linear(8, 8), torch.randn(2, 8)
+    torch._dynamo.reset()
+    compiled = torch.compile(lin, backend=config.backend, mode=config.mode, options=config.options)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), lin(x))
+    torch._dynamo.reset()
+
+
 def test_a_failure_to_find_the_index_inputs_leaves_inductors_graph_unchecked_and_logged(monkeypatch, caplog):
     import kwker.dynamo_backend
 
