@@ -217,10 +217,10 @@ def _on_copied_storages(inputs: list, tensors: list[torch.Tensor]) -> list:
     one copy of that memory, at its offset, size and strides: a run on these
     writes none of them, and sees its own writes through every input that
     aliases the one written, as a run on the inputs does."""
-    storages = {t.untyped_storage().data_ptr() for t in tensors}
+    storages = {_memory(t) for t in tensors} - {None}
     copies, out = {}, []
     for x in inputs:
-        if isinstance(x, torch.Tensor) and x.untyped_storage().data_ptr() in storages:
+        if _memory(x) in storages:
             storage = x.untyped_storage()
             copy = copies.get(storage.data_ptr())
             if copy is None:
@@ -228,6 +228,15 @@ def _on_copied_storages(inputs: list, tensors: list[torch.Tensor]) -> list:
             x = torch.empty(0, dtype=x.dtype).set_(copy, x.storage_offset(), x.shape, x.stride())
         out.append(x)
     return out
+
+
+def _memory(x) -> int | None:
+    """Where x's storage starts; None for what is no tensor or has no storage
+    of its own to read (sparse, a wrapper subclass, an empty one)."""
+    try:
+        return x.untyped_storage().data_ptr() or None if isinstance(x, torch.Tensor) else None
+    except (RuntimeError, NotImplementedError):
+        return None
 
 
 def remember_unless_an_error(key: str, choice, fallback: str | None):
@@ -396,7 +405,7 @@ def compile_with_inductor(gm: torch.fx.GraphModule, example_inputs, opts: KwkerO
         checks = index_inputs(gm, example_inputs)
     except Exception:  # a bug of kwker's: Inductor's graph as stock Inductor runs it, logged
         log.warning("kwker: finding the graph's index inputs failed; they are not checked", exc_info=True)
-        checks = []
+        checks = None
     with torch._functorch.config.patch(enable_autograd_cache=autograd_cache,
                                        enable_remote_autograd_cache=remote_autograd_cache):
         compiled = compile_fx(gm, example_inputs, config_patches=patches)

@@ -27,7 +27,7 @@ import torch
 from torch.nn.utils.fusion import fuse_conv_bn_weights
 
 from kwker import _C, weights
-from kwker.bounds import index_inputs, out_of_range
+from kwker.bounds import index_inputs
 from kwker.guards import in_module
 from kwker.tune import quiet
 from kwker.rewrite.match import TORCH_CONVOLUTIONS, convolution_operands
@@ -69,7 +69,7 @@ class FrozenGraph:
         self.checks, self.eager = index_inputs(gm, example_inputs), quiet(gm)
 
     def __call__(self, *args):
-        if out_of_range(self.checks, args):
+        if self.checks.refuse(args):
             return self.eager(*args)
         live = self.live
         if live is not None:
