@@ -284,6 +284,19 @@ def test_a_later_tuning_runs_on_inputs_that_alias_as_the_calls_do_and_writes_inf
     torch._dynamo.reset()
 
 
+def test_inputs_on_copied_storages_keep_their_aliasing_and_leave_the_originals_and_storageless_inputs_alone():
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    from kwker.dynamo_backend import _on_copied_storages
+
+    base, other = torch.arange(8.0), torch.arange(3.0)
+    sparse, wrapped = torch.eye(3).to_sparse(), TwoTensor(torch.zeros(2), torch.zeros(2))
+    a, b, c, d, e, f = _on_copied_storages([base[:4], base[2:6:2], other, sparse, wrapped, 5], [base[:4]])
+    a.add_(1)
+    assert torch.equal(base, torch.arange(8.0)) and torch.equal(b, torch.tensor([3.0, 4.0]))  # b sees a's write
+    assert c is other and d is sparse and e is wrapped and f == 5
+
+
 _READS = {  # the ways a graph reads a table's rows by the ids it is given
     "embedding": "emb(ids.view(8, 512))",
     "keywords": "torch.nn.functional.embedding(input=ids, weight=emb.weight)",
