@@ -4,7 +4,8 @@ to the model's weights.
 
 A weight is read as stored (the model's own tensor, bound on every call) when
 it lives in memory other processes share (their writes are never seen, see
-shared_with_other_processes), when its linear has rows enough for oneDNN's
+shared_with_other_processes), when its graph's copies would not fit in the
+memory left for them (memory_for_copies), when its linear has rows enough for oneDNN's
 matmul to be faster (DNNL_MIN_ROWS: the product is then compute-bound, and
 oneDNN has no float32 × bfloat16 matmul), and otherwise unless a copy reads
 fewer bytes or fewer calls:
@@ -35,6 +36,7 @@ lower.py asks the kernel to back weights read as stored with huge pages, in
 place (contents unchanged).
 """
 
+import logging
 import math
 import re
 from dataclasses import dataclass, field
@@ -42,6 +44,8 @@ from dataclasses import dataclass, field
 import torch
 
 from kwker import _C
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -219,6 +223,17 @@ class WeightArena:
     change first packs the shared copy again, and the others find it fresh."""
 
     def __init__(self, nbytes: int, kept: dict | None = None):
+        # No copies at all where those not kept already would not fit in the memory left
+        # (memory_for_copies): the weights are read as stored (may_copy).
+        new = nbytes - sum(c.copy.nbytes for c in (kept or {}).values())
+        left = memory_for_copies() if new > 0 else 0
+        self.copies = new <= left
+        if not self.copies:
+            global _warned_memory
+            (log.info if _warned_memory else log.warning)(
+                "kwker: the graph's weight copies (%.2f GiB) would not fit in the memory left for them (%.2f GiB): "
+                "its weights are read as stored", new / 2**30, max(left, 0) / 2**30)
+            _warned_memory, nbytes = True, 0
         self.memory = _C.weight_reserve(nbytes) if nbytes else None
         self.capacity, self.used = nbytes, 0
         self.kept = kept
@@ -243,6 +258,30 @@ class WeightArena:
         if self.memory is not None:
             self.memory.trim(self.used)
         self._scratch = torch.empty(0)
+
+
+_warned_memory = False  # the first graph whose copies did not fit is warned about, the others logged
+
+
+def may_copy(arena: WeightArena | None) -> bool:
+    """Whether a rewrite may copy weights into arena (not where they would not fit)."""
+    return arena is None or arena.copies
+
+
+def memory_for_copies() -> int:
+    """The bytes kwker's weight copies may take: the memory available (Linux's
+    MemAvailable) less what the rest of the process may still need (Inductor's
+    compile, activations, a cache): an eighth of the memory, at least 2 GiB. A
+    bf16 model's stacked q/k/v and gate/up copies are about 65 % of its linear
+    weights: Llama-3-8B's 16 GB would take about 10 more (by its shapes), past
+    a 24 GB machine's memory, and the kernel's OOM killer would end the
+    process. Unbounded without /proc/meminfo."""
+    try:
+        with open("/proc/meminfo") as f:
+            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f if line.split()[1:]}
+        return info["MemAvailable"] - max(2 << 30, info["MemTotal"] // 8)
+    except (OSError, KeyError, ValueError, IndexError):
+        return 1 << 62
 
 
 # ---- copies ------------------------------------------------------------------------------

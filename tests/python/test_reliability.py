@@ -167,6 +167,24 @@ def test_weights_shared_with_other_processes_are_read_as_stored_and_another_proc
     assert kinds() == ["decode-replay"], kwker.report()
 
 
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "mixtral"])  # stacked, transposed, experts' copies
+def test_weights_are_read_as_stored_where_their_copies_would_not_fit_in_the_memory_left(arch, monkeypatch, caplog):
+    """A bf16 model's stacked q/k/v and gate/up copies are about 65 % of its
+    linear weights: a model that nearly fills the memory had the kernel's OOM
+    killer end the process at its first compile, where eager and Inductor run."""
+    model = small_model(arch)  # bf16-valued: every linear's weight would be a copy
+    config = kwker.compile_config()
+    assert_same_tokens(model, config)
+    assert all(g.copies > 0 for g in summary.graphs()), kwker.report()
+    summary.clear()
+    torch._dynamo.reset()
+    monkeypatch.setattr(weights, "memory_for_copies", lambda: 4096)
+    monkeypatch.setattr(weights, "_warned_memory", False)  # warned once a process
+    assert_same_tokens(model, config)
+    assert kinds() == ["decode-replay"] and summary.graphs()[0].copies == 0, kwker.report()
+    assert "would not fit in the memory left for them" in caplog.text
+
+
 def test_a_mapped_file_whose_name_is_not_utf8_leaves_the_shared_memory_check_working(tmp_path):
     """/proc/self/maps names every mapped file; read as text, a name that is not
     UTF-8 made every weight's decision raise UnicodeDecodeError."""

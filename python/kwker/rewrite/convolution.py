@@ -51,7 +51,7 @@ def convolutions_in_float32(gm: torch.fx.GraphModule, params: dict[str, torch.Te
         if val(x).dtype != torch.bfloat16 or native_convolution(node) is not None \
                 or any(t.op != "placeholder" or t.name not in params for t in sources):
             continue
-        storage = weights.convolution_storage(params[w.name])
+        storage = weights.convolution_storage(params[w.name]) if weights.may_copy(arena) else None
         if storage is None or (b is not None and params[b.name].dtype != torch.bfloat16):
             continue
         graph = gm.graph

@@ -63,7 +63,7 @@ def rewrite_experts(gm: torch.fx.GraphModule, params: dict[str, torch.Tensor],
         if not (w.op == "placeholder" and w.name in params and val(w).dim() == 3 and val(x).dim() == 2
                 and val(x).dtype == val(w).dtype):
             continue
-        storage = weights.decide_experts(params[w.name])
+        storage = weights.decide_experts(params[w.name]) if weights.may_copy(arena) else None
         rows = -(-weights.rows_per_call(val(x)) // val(w).shape[0])  # an expert's rows, on average
         if storage is None and weights.by_matmul(val(x).dtype, rows):
             continue  # PyTorch's grouped matmul, oneDNN's per expert: faster from these rows (as for a linear)

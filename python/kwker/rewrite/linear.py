@@ -52,7 +52,7 @@ def rewrite_linears(gm: torch.fx.GraphModule, params: dict[str, torch.Tensor],
     copies: list[weights.CopiedWeight] = []
     for group in _group_by_input(linears):
         storage = weights.decide([params[m.weight.name] for m in group], weights.rows_per_call(val(group[0].x)),
-                                 kn=group[0].kn)
+                                 kn=group[0].kn) if weights.may_copy(arena) else None
         if storage is None:
             for m in group:
                 _rewrite_single_as_stored(gm.graph, m)
