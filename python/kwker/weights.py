@@ -269,19 +269,59 @@ def may_copy(arena: WeightArena | None) -> bool:
 
 
 def memory_for_copies() -> int:
-    """The bytes kwker's weight copies may take: the memory available (Linux's
-    MemAvailable) less what the rest of the process may still need (Inductor's
-    compile, activations, a cache): an eighth of the memory, at least 2 GiB. A
-    bf16 model's stacked q/k/v and gate/up copies are about 65 % of its linear
-    weights: Llama-3-8B's 16 GB would take about 10 more (by its shapes), past
-    a 24 GB machine's memory, and the kernel's OOM killer would end the
-    process. Unbounded without /proc/meminfo."""
+    """The bytes kwker's weight copies may take: the memory available to this
+    process (Linux's MemAvailable, or its memory cgroup's limit less its use
+    where that is less: a container's) less what the rest of the process may
+    still need (Inductor's compile, activations, a cache): an eighth of its
+    memory, at least 2 GiB. A bf16 model's stacked q/k/v and gate/up copies
+    are about 65 % of its linear weights: Llama-3-8B's 16 GB would take about
+    10 more (by its shapes), past a 24 GB machine's memory, and the kernel's
+    OOM killer would end the process. Unbounded where nothing says."""
+    total, available = 1 << 62, 1 << 62
     try:
         with open("/proc/meminfo") as f:
             info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f if line.split()[1:]}
-        return info["MemAvailable"] - max(2 << 30, info["MemTotal"] // 8)
+        total, available = info["MemTotal"], info["MemAvailable"]
     except (OSError, KeyError, ValueError, IndexError):
-        return 1 << 62
+        pass
+    for limit, used in _cgroup_memory():
+        total, available = min(total, limit), min(available, limit - used)
+    return available - max(2 << 30, total // 8)
+
+
+def _cgroup_memory(cgroups: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> list[tuple[int, int]]:
+    """(limit, bytes in use less inactive file pages, which the kernel reclaims
+    first) of this process's memory cgroup and each above it that has a limit,
+    cgroup v2's or v1's."""
+    found = []
+    try:
+        with open(cgroups) as f:
+            lines = [line.rstrip("\n").split(":", 2) for line in f]
+    except OSError:
+        return found
+    for _, controllers, path in (line for line in lines if len(line) == 3):
+        if controllers == "":  # v2
+            top, files = root, ("memory.max", "memory.current", "inactive_file")
+        elif "memory" in controllers.split(","):
+            top, files = f"{root}/memory", ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+        else:
+            continue
+        parts = [p for p in path.split("/") if p]
+        for depth in range(len(parts), -1, -1):
+            folder = "/".join([top, *parts[:depth]])
+            try:
+                with open(f"{folder}/{files[0]}") as f:
+                    limit = f.read().strip()
+                if limit == "max" or int(limit) >= 1 << 60:
+                    continue
+                with open(f"{folder}/{files[1]}") as f:
+                    used = int(f.read())
+                with open(f"{folder}/memory.stat") as f:
+                    stat = dict(line.split() for line in f if len(line.split()) == 2)
+                found.append((int(limit), used - int(stat.get(files[2], 0))))
+            except (OSError, ValueError):
+                continue
+    return found
 
 
 # ---- copies ------------------------------------------------------------------------------

@@ -185,6 +185,25 @@ def test_weights_are_read_as_stored_where_their_copies_would_not_fit_in_the_memo
     assert "would not fit in the memory left for them" in caplog.text
 
 
+@pytest.mark.parametrize("version", [1, 2])
+def test_the_memory_for_copies_is_a_cgroups_where_it_has_a_limit(version, tmp_path):
+    """A container's limit, not the machine's memory: in a 2.3 GiB memory cgroup
+    SmolLM2-360M's float32 model with bf16 copies was killed (exit 137)."""
+    cgroups = tmp_path / "cgroup"
+    top = tmp_path / "sys" if version == 2 else tmp_path / "sys" / "memory"
+    names = ("memory.max", "memory.current", "inactive_file") if version == 2 else \
+        ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+    cgroups.write_text("0::/a/b\n" if version == 2 else "4:memory:/a/b\n3:cpu:/x\n")
+    for folder, limit, used, inactive in ((top / "a" / "b", "max" if version == 2 else str(1 << 62), 5 << 30, 0),
+                                          (top / "a", str(3 << 30), 2 << 30, 1 << 30)):
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / names[0]).write_text(limit + "\n")
+        (folder / names[1]).write_text(f"{used}\n")
+        (folder / "memory.stat").write_text(f"cache 5\n{names[2]} {inactive}\n")
+    assert weights._cgroup_memory(str(cgroups), str(tmp_path / "sys")) == [(3 << 30, 1 << 30)]
+    assert weights._cgroup_memory(str(tmp_path / "none"), str(tmp_path / "sys")) == []
+
+
 def test_a_mapped_file_whose_name_is_not_utf8_leaves_the_shared_memory_check_working(tmp_path):
     """/proc/self/maps names every mapped file; read as text, a name that is not
     UTF-8 made every weight's decision raise UnicodeDecodeError."""
