@@ -275,7 +275,7 @@ def memory_for_copies() -> int:
     still need (Inductor's compile, activations, a cache): an eighth of its
     memory, at least 2 GiB. A bf16 model's stacked q/k/v and gate/up copies
     are about 65 % of its linear weights: Llama-3-8B's 16 GB would take about
-    10 more (by its shapes), past a 24 GB machine's memory, and the kernel's
+    9 more (by its shapes), past a 24 GB machine's memory, and the kernel's
     OOM killer would end the process. Unbounded where nothing says."""
     total, available = 1 << 62, 1 << 62
     try:
