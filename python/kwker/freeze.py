@@ -50,6 +50,9 @@ class FrozenGraph:
             raise ValueError("the graph reads no parameter or buffer of a module")
         if weights.shared_with_other_processes([example_inputs[i] for i in self.frozen]):
             raise ValueError("a model tensor is in memory shared with other processes, whose writes no watch sees")
+        if sum(example_inputs[i].nbytes for i in self.frozen) > weights.memory_for_copies():
+            raise ValueError("the frozen constants (packed, folded copies of the model's tensors) would not fit in "
+                             "the memory left (kwker.weights.memory_for_copies)")
         self.kept = [i for i in range(len(example_inputs)) if i not in self.frozen]
         # Watched before Inductor reads them: a write during the compile is seen.
         watches = [_C.Watch(example_inputs[i]) for i in self.frozen]

@@ -223,16 +223,17 @@ class WeightArena:
     change first packs the shared copy again, and the others find it fresh."""
 
     def __init__(self, nbytes: int, kept: dict | None = None):
-        # No copies at all where those not kept already would not fit in the memory left
-        # (memory_for_copies): the weights are read as stored (may_copy).
-        new = nbytes - sum(c.copy.nbytes for c in (kept or {}).values())
-        left = memory_for_copies() if new > 0 else 0
-        self.copies = new <= left
+        # No copies at all where they would not fit in the memory left (memory_for_copies): the
+        # weights are read as stored (may_copy). Counted whole, though a plan for other sizes may
+        # find some kept: a kept copy whose sources were written since is made again, not reused.
+        left = memory_for_copies() if nbytes else 0
+        self.copies = nbytes <= left
         if not self.copies:
             global _warned_memory
             (log.info if _warned_memory else log.warning)(
-                "kwker: the graph's weight copies (%.2f GiB) would not fit in the memory left for them (%.2f GiB): "
-                "its weights are read as stored", new / 2**30, max(left, 0) / 2**30)
+                "kwker: the graph's weight copies (%.2f GiB) would not fit in the memory left for them (%.2f GiB, "
+                "what is available less what the process may still need): its weights are read as stored",
+                nbytes / 2**30, max(left, 0) / 2**30)
             _warned_memory, nbytes = True, 0
         self.memory = _C.weight_reserve(nbytes) if nbytes else None
         self.capacity, self.used = nbytes, 0
@@ -273,7 +274,7 @@ def memory_for_copies() -> int:
     process (Linux's MemAvailable, or its memory cgroup's limit less its use
     where that is less: a container's) less what the rest of the process may
     still need (Inductor's compile, activations, a cache): an eighth of its
-    memory, at least 2 GiB. A bf16 model's stacked q/k/v and gate/up copies
+    memory, at least 2 GiB and at most 8. A bf16 model's stacked q/k/v and gate/up copies
     are about 65 % of its linear weights: Llama-3-8B's 16 GB would take about
     9 more (by its shapes), past a 24 GB machine's memory, and the kernel's
     OOM killer would end the process. Unbounded where nothing says."""
@@ -286,7 +287,7 @@ def memory_for_copies() -> int:
         pass
     for limit, used in _cgroup_memory():
         total, available = min(total, limit), min(available, limit - used)
-    return available - max(2 << 30, total // 8)
+    return available - min(max(2 << 30, total // 8), 8 << 30)
 
 
 def _cgroup_memory(cgroups: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> list[tuple[int, int]]:
@@ -295,7 +296,7 @@ def _cgroup_memory(cgroups: str = "/proc/self/cgroup", root: str = "/sys/fs/cgro
     cgroup v2's or v1's."""
     found = []
     try:
-        with open(cgroups) as f:
+        with open(cgroups, errors="surrogateescape") as f:  # a cgroup's name need not be UTF-8
             lines = [line.rstrip("\n").split(":", 2) for line in f]
     except OSError:
         return found
@@ -316,11 +317,14 @@ def _cgroup_memory(cgroups: str = "/proc/self/cgroup", root: str = "/sys/fs/cgro
                     continue
                 with open(f"{folder}/{files[1]}") as f:
                     used = int(f.read())
-                with open(f"{folder}/memory.stat") as f:
-                    stat = dict(line.split() for line in f if len(line.split()) == 2)
-                found.append((int(limit), used - int(stat.get(files[2], 0))))
             except (OSError, ValueError):
                 continue
+            try:
+                with open(f"{folder}/memory.stat") as f:
+                    used -= int(dict(line.split() for line in f if len(line.split()) == 2).get(files[2], 0))
+            except (OSError, ValueError):
+                pass  # no reclaimable pages counted
+            found.append((int(limit), used))
     return found
 
 

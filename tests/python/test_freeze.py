@@ -336,6 +336,14 @@ def test_a_model_in_memory_shared_with_other_processes_gets_no_frozen_candidate(
         torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-5)
 
 
+def test_a_model_whose_frozen_constants_would_not_fit_in_the_memory_left_gets_no_frozen_candidate(monkeypatch):
+    monkeypatch.setattr(weights, "memory_for_copies", lambda: 1024)  # ConvBN's tensors: 1.3 KB
+    made, backend = freezing_backend()
+    with torch.no_grad(), pytest.raises(Exception, match="would not fit in the memory left"):
+        torch.compile(ConvBN().eval(), backend=backend)(torch.randn(2, 3, 16, 16))
+    assert made == []
+
+
 def test_freezing_is_not_tried_where_it_measured_no_gain_or_under_grad():
     mlp = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU()).eval()
     with torch.no_grad():

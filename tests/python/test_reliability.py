@@ -202,6 +202,10 @@ def test_the_memory_for_copies_is_a_cgroups_where_it_has_a_limit(version, tmp_pa
         (folder / "memory.stat").write_text(f"cache 5\n{names[2]} {inactive}\n")
     assert weights._cgroup_memory(str(cgroups), str(tmp_path / "sys")) == [(3 << 30, 1 << 30)]
     assert weights._cgroup_memory(str(tmp_path / "none"), str(tmp_path / "sys")) == []
+    (top / "a" / "memory.stat").unlink()  # the limit holds, no page counted as reclaimable
+    assert weights._cgroup_memory(str(cgroups), str(tmp_path / "sys")) == [(3 << 30, 2 << 30)]
+    cgroups.write_bytes(b"0::/a/b\xff\n" if version == 2 else b"4:memory:/a/b\xff\n")  # a name not UTF-8
+    assert weights._cgroup_memory(str(cgroups), str(tmp_path / "sys")) == [(3 << 30, 2 << 30)]
 
 
 def test_a_mapped_file_whose_name_is_not_utf8_leaves_the_shared_memory_check_working(tmp_path):
