@@ -175,7 +175,9 @@ def _attribute(module: torch.nn.Module, target: str):
 
 
 def _modes() -> str:
+    # the default dtype: factory ops without one (torch.arange(n)) make it, which a graph's code does not show
     return (f"grad {torch.is_grad_enabled()}, inference {torch.is_inference_mode_enabled()}, "
+            f"default dtype {torch.get_default_dtype()}, "
             f"autocast {torch.is_autocast_enabled('cpu')} {torch.get_autocast_dtype('cpu')}, "
             f"float32 precision {sorted(fp32_precision_settings().items())}")
 
