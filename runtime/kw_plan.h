@@ -47,6 +47,11 @@ void kw_plan_destroy(kw_plan *plan);
  * step, so no step that reads what it computed runs. */
 int kw_plan_replay(kw_plan *plan, kw_pool *pool, void *const *slots);
 
+/* In a child forked while another thread replayed the plan: that replay never
+ * ends there (fork copies only the forking thread), and the plan may be
+ * replayed again. */
+void kw_plan_forget_replay(kw_plan *plan);
+
 /* After a replay that returned KW_EINDEX: the step, the index and the size it
  * had to be below; returns 1. 0 when the last replay reported none. */
 int kw_plan_fault(const kw_plan *plan, int *step, int64_t *index, int64_t *size);

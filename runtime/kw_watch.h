@@ -61,6 +61,9 @@ unsigned kw_watch_arms(const kw_watch *w);
 /* Reports changed from now until the next kw_watch_rearm: the copy made since
  * the last arming is not whole (its making failed), so it must be made again. */
 void kw_watch_invalidate(kw_watch *w);
+/* kw_watch_invalidate for every watch there is: in a child forked while a
+ * thread it does not have may have been making a copy. */
+void kw_watch_invalidate_all(void);
 
 /* The watched range. */
 const void *kw_watch_data(const kw_watch *w);

@@ -155,6 +155,8 @@ int kw_plan_replay(kw_plan *p, kw_pool *pool, void *const *slots) {
     return rc;
 }
 
+void kw_plan_forget_replay(kw_plan *p) { atomic_store_explicit(&p->busy, 0, memory_order_release); }
+
 int kw_plan_fault(const kw_plan *p, int *step, int64_t *index, int64_t *size) {
     if (!atomic_load(&p->fault.reported)) return 0;
     for (int i = 0; i < p->n_steps; i++)

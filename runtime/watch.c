@@ -65,7 +65,11 @@ struct kw_watch {
     unsigned char *snapshot; /* head bytes, then tail bytes */
     unsigned arms;           /* kw_watch_arms */
     atomic_int invalid;      /* kw_watch_invalidate, until the next arming */
+    unsigned generation;     /* `generation` when armed */
 };
+
+/* kw_watch_invalidate_all's count: a watch armed before the last call reports changed. */
+static atomic_uint generation;
 
 static uintptr_t page_size(void) {
     static uintptr_t size;
@@ -288,6 +292,7 @@ kw_watch *kw_watch_new(const void *p, size_t bytes) {
     }
     take_snapshot(w);
     w->arms = 1;
+    w->generation = atomic_load(&generation);
     return w;
 }
 
@@ -322,7 +327,7 @@ void kw_watch_free(kw_watch *w) {
 }
 
 int kw_watch_changed(const kw_watch *w) {
-    if (atomic_load(&w->invalid)) return 1;
+    if (atomic_load(&w->invalid) || w->generation != atomic_load_explicit(&generation, memory_order_relaxed)) return 1;
     if (w->entry >= 0 && atomic_load(&regions[w->entry].changed)) return 1;
     return memcmp(w->snapshot, w->data, w->head) != 0 ||
            memcmp(w->snapshot + w->head, w->data + w->bytes - w->tail, w->tail) != 0;
@@ -340,6 +345,7 @@ void kw_watch_prefetch(const kw_watch *w) {
 
 int kw_watch_rearm(kw_watch *w) {
     atomic_store(&w->invalid, 0);
+    w->generation = atomic_load(&generation);
     const int rc = protect(w);
     take_snapshot(w);
     w->arms++;
@@ -349,6 +355,8 @@ int kw_watch_rearm(kw_watch *w) {
 unsigned kw_watch_arms(const kw_watch *w) { return w->arms; }
 
 void kw_watch_invalidate(kw_watch *w) { atomic_store(&w->invalid, 1); }
+
+void kw_watch_invalidate_all(void) { atomic_fetch_add(&generation, 1); }
 
 const void *kw_watch_data(const kw_watch *w) { return w->data; }
 size_t kw_watch_bytes(const kw_watch *w) { return w->bytes; }

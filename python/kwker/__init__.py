@@ -5,8 +5,9 @@ torch finds the backend through the ``torch_dynamo_backends`` entry point, so
 the same function, for ``torch.compile(model, backend=kwker.backend)``.
 """
 
-import threading
 from importlib.metadata import version as _version
+
+from kwker import threads as _threads
 
 __all__ = ["__version__", "backend", "compile_config", "guard_filter", "report"]
 __version__ = _version("kwker")
@@ -66,7 +67,7 @@ def __getattr__(name):
     raise AttributeError(f"module 'kwker' has no attribute {name!r}")
 
 
-_registry_lock = threading.Lock()
+_registry_lock = _threads.ForkSafeLock()
 
 
 def _registered_backend():

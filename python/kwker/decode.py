@@ -14,14 +14,13 @@ given to Inductor.
 
 import logging
 import operator
-import threading
-
 import torch
 from torch.fx.experimental.symbolic_shapes import free_symbols, optimization_hint
 
 from kwker import _C
 from kwker.lower import NotLowerable
 from kwker.plan import compile_plan, inputs_written
+from kwker.threads import ForkSafeLock
 
 aten = torch.ops.aten
 log = logging.getLogger(__name__)
@@ -56,9 +55,9 @@ def compile_decode_step(gm: torch.fx.GraphModule, example_inputs, glue: bool = T
     return (ints.around(step) if ints else step), detail
 
 
-def compile_decode_plan(gm: torch.fx.GraphModule, example_inputs, glue: bool = True, kept: dict | None = None):
+def compile_decode_plan(gm: torch.fx.GraphModule, example_inputs, glue: bool = True):
     """The plan of a decode step whose sizes are all Python ints."""
-    return compile_plan(gm, example_inputs, glue, classify=_not_a_decode_step, kept=kept)
+    return compile_plan(gm, example_inputs, glue, classify=_not_a_decode_step)
 
 
 def _not_a_decode_step(aten_gm, example_inputs) -> str | None:
@@ -72,9 +71,8 @@ class StepPerSizes:
     chunked prefill (their count of positions, the mask's length), the verify
     steps of prompt lookup (their count of candidates). Each call's sizes get a
     plan of their own, compiled on the first call with them; the MAX_PLANS
-    most recently used are kept, and every plan reads the weight copies the
-    others made of the same sources the same way (WeightArena.kept), so that
-    memory holds one copy of each weight for all sizes. A plan's own checks
+    most recently used are kept, and they read one copy of each weight
+    (kwker.weights._shared). A plan's own checks
     still see every input's layout. When a plan cannot be compiled for some
     sizes, those calls run Dynamo's graph eagerly, logged: slow, never wrong."""
 
@@ -83,14 +81,12 @@ class StepPerSizes:
     def __init__(self, gm: torch.fx.GraphModule, example_inputs, glue: bool, sizes: list[int]):
         self.gm, self.glue = gm, glue
         self.sizes = sizes  # the positions of the SymInt inputs that tensor ops read
-        self.kept: dict = {}
         args = _hints(example_inputs)
-        plan, self.detail = compile_decode_plan(gm, args, glue, self.kept)
+        plan, self.detail = compile_decode_plan(gm, args, glue)
         self.plans = {tuple(args[i] for i in self.sizes): plan}  # in order of use, the latest last
         self.last = plan
-        # One call at a time: a call compiling a plan must not drop the one another thread
-        # replays, and a plan's refresh packs again the copies the others read.
-        self.lock = threading.Lock()
+        # One call at a time: a call compiling a plan must not drop the one another thread replays.
+        self.lock = ForkSafeLock()
 
     def __call__(self, *args):
         key = tuple(args[i] for i in self.sizes)
@@ -106,7 +102,7 @@ class StepPerSizes:
 
     def _compile(self, key, args):
         try:
-            plan, _ = compile_decode_plan(self.gm, list(args), self.glue, self.kept)
+            plan, _ = compile_decode_plan(self.gm, list(args), self.glue)
             log.info("decode step: a plan for sizes %s", key)
             return plan
         except (NotLowerable, _C.PlanError) as e:

@@ -3,12 +3,11 @@
 
 import functools
 import logging
-import threading
 import time
 
 import torch
 
-from kwker import choices, guards, summary
+from kwker import _C, choices, guards, summary
 from kwker.bounds import IndicesChecked, index_inputs
 from kwker.aten_graph import trace_to_aten
 from kwker.decode import compile_decode_step
@@ -19,7 +18,7 @@ from kwker.plan import compile_plan, inputs_written, reserve_weights
 from kwker.rewrite import rewrite_language_model
 from kwker.rewrite.match import why_run_only_as_called
 from kwker.routing import route_graph, size_inputs, unfit_for_kernels
-from kwker.threads import warn_once_if_openmp_spins
+from kwker.threads import ForkSafeLock, warn_once_if_openmp_spins
 from kwker.tune import (TOLERANCE, TRAINING_TOLERANCE, FirstCallServed, ForwardAndBackward, TruthFailed, choose,
                         not_the_candidates, output_tolerance, quiet)
 
@@ -96,10 +95,14 @@ def tune_inference(gm: torch.fx.GraphModule, example_inputs, opts: KwkerOptions)
     the candidate then kept is built alone (kwker.choices)."""
     key = choices.key("inference", gm, example_inputs, opts)
     plan_detail = {}
+    # The plan's own CallLock, shared with no plan built before: the tuner calls it inside Dynamo's
+    # compile lock, and a lock shared with plans that other threads call could be held by one whose
+    # refresh compiles again, waiting on that compile lock (kwker.weights._shared).
+    family = _C.CallLock()
 
     def build_plan(**traced_and_reserved):
         try:
-            plan, detail = compile_plan(gm, example_inputs, opts.glue, **traced_and_reserved)
+            plan, detail = compile_plan(gm, example_inputs, opts.glue, family=family, **traced_and_reserved)
         except NotLowerable:
             raise
         except Exception:  # a bug of kwker's, which the tuning would only name among the candidates left out
@@ -118,7 +121,7 @@ def tune_inference(gm: torch.fx.GraphModule, example_inputs, opts: KwkerOptions)
         return "inductor", compile_with_inductor(gm, example_inputs, opts), {"why": why_not}
     unfit, arena = unfit_for_kernels(gm, example_inputs), None
     try:
-        arena = None if unfit else reserve_weights(gm, example_inputs)  # faults in while eager runs, Inductor compiles
+        arena = None if unfit else reserve_weights(gm, example_inputs, family)  # faults in while Inductor compiles
     except Exception as e:  # a bug of kwker's: the plan is left out, the other candidates timed
         log.warning("kwker: reserving its plan's weight copies failed; the other candidates are timed", exc_info=True)
         unfit = f"reserving its weight copies failed ({type(e).__name__}: {e})"
@@ -181,7 +184,7 @@ class TunedAtALaterCall:
 
     def __init__(self, gm: torch.fx.GraphModule, opts: KwkerOptions, written: list[int]):
         self.gm, self.opts, self.written = gm, opts, frozenset(written)  # written: indices of the inputs
-        self.fn, self._lock = None, threading.Lock()
+        self.fn, self._lock = None, ForkSafeLock()
 
     def __call__(self, *args):
         fn = self.fn

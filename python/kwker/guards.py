@@ -42,16 +42,17 @@ type and device (a negative-view bit, made only by torch._neg_view).
 """
 
 import re
-import threading
 from collections import OrderedDict
 
 import torch
 from torch._guards import CompileContext
 
+from kwker.threads import ForkSafeLock
+
 
 _KEPT_FRAMES = 16  # frames whose compile noted graphs but never reached the filter: forgotten past this many
 
-_lock = threading.Lock()
+_lock = ForkSafeLock()
 # Dynamo's compile id of a frame -> {source name: whether every graph of it reading
 # that input rechecks it}, filled as the frame's graphs compile, read once by the filter.
 _rechecked: OrderedDict = OrderedDict()

@@ -24,7 +24,7 @@ from torch.fx import Node
 from kwker import _C
 from kwker.custom_ops import GELU_MODES, LINEAR_MULTI_OUTPUTS, ROTARY_HALF, ops
 from kwker.rewrite.match import convolution_parameters, flat, native_convolution, val, why_run_only_as_called
-from kwker.weights import HUGE_PAGES_BELOW_ROWS, CopiedWeight, by_matmul, rows_per_call
+from kwker.weights import HUGE_PAGES_BELOW_ROWS, PlanCopy, by_matmul, rows_per_call
 
 aten = torch.ops.aten
 P = _C.op_params()
@@ -57,7 +57,7 @@ def first_over_storage(inputs) -> list[int]:
 
 
 class _Lowering:
-    def __init__(self, gm: torch.fx.GraphModule, example_inputs, copies: dict[str, CopiedWeight],
+    def __init__(self, gm: torch.fx.GraphModule, example_inputs, copies: dict[str, PlanCopy],
                  input_names: list[str] | None, written_args=()):
         self.gm, self.example_inputs, self.copies, self.input_names = gm, example_inputs, copies, input_names
         self.written_args = list(written_args)
@@ -229,7 +229,7 @@ class _Lowering:
                 self.declare_input(node, self.placeholder_index[node])
         elif node.op == "get_attr":
             copy = self.copies.get(node.target)
-            value = copy.copy if copy else getattr(self.gm, node.target)
+            value = copy.weight.copy if copy else getattr(self.gm, node.target)
             if not isinstance(value, torch.Tensor):  # a higher-order op's subgraph, a quantized linear's packed weight
                 users = ", ".join(sorted({str(u.target) for u in node.users}))
                 kind = "subgraph" if isinstance(value, torch.fx.GraphModule) else type(value).__name__
@@ -1225,13 +1225,13 @@ INPLACE_LOWERINGS = {
 }
 
 
-def lower_to_plan(gm: torch.fx.GraphModule, example_inputs, copies: list[CopiedWeight],
+def lower_to_plan(gm: torch.fx.GraphModule, example_inputs, copies: dict[str, PlanCopy] | None = None,
                   input_names: list[str] | None = None, written_args=()):
     """A Plan that, called with Dynamo's flat inputs, does what gm does, and the
-    lowering's report. copies: kwker's weight copies among gm's attributes.
+    lowering's report. copies: kwker's weight copies among gm's attributes, by attribute.
     input_names: what the plan's errors call each input (default: gm's
     placeholder names). written_args: the arguments gm writes in place, whose
     version counters every call bumps (plan.inputs_written)."""
-    lowering = _Lowering(gm, example_inputs, {c.attr: c for c in copies}, input_names, written_args)
+    lowering = _Lowering(gm, example_inputs, copies or {}, input_names, written_args)
     plan = lowering.run()
     return plan, lowering.report

@@ -33,24 +33,23 @@ log = logging.getLogger(__name__)
 Classify = Callable[[torch.fx.GraphModule, list], str | None]
 
 
-def reserve_weights(gm: torch.fx.GraphModule, example_inputs, kept: dict | None = None) -> WeightArena:
+def reserve_weights(gm: torch.fx.GraphModule, example_inputs, family=None) -> WeightArena:
     """The memory a plan of gm copies weights into, reserved now so that it
     faults in while the caller goes on (traces gm, compiles other candidates).
-    kept: the weight copies gm's plans share (WeightArena)."""
-    return WeightArena(reserved_copy_bytes(gm, example_inputs), kept)
+    family: the plan's CallLock, where the caller decides it (WeightArena)."""
+    return WeightArena(reserved_copy_bytes(gm, example_inputs), family)
 
 
 def compile_plan(gm: torch.fx.GraphModule, example_inputs, glue: bool = True, classify: Classify | None = None,
-                 aten_gm: torch.fx.GraphModule | None = None, kept: dict | None = None,
-                 arena: WeightArena | None = None):
+                 aten_gm: torch.fx.GraphModule | None = None, arena: WeightArena | None = None, family=None):
     """The plan for gm with these inputs, every size a Python int, and what
     compiling it did (rewrite counts, fallback ops, copies). Raises NotLowerable
     with classify's reason, or when the lowering cannot express gm. aten_gm:
     gm's ATen trace, when the caller has made it already (it is rewritten),
     and arena: reserve_weights's, when the caller reserved it before (GPT-2 at
     batch 8 in float32: each weight's watch waited 25 ms on the pages still
-    faulting in, 0.65 s of a 1.1 s build). kept: as reserve_weights's."""
-    arena = arena if arena is not None else reserve_weights(gm, example_inputs, kept)  # faults in while gm is traced
+    faulting in, 0.65 s of a 1.1 s build). family: as reserve_weights's."""
+    arena = arena if arena is not None else reserve_weights(gm, example_inputs, family)  # faults in while gm is traced
     try:
         aten_gm = aten_gm if aten_gm is not None else trace_to_aten(gm, example_inputs)
         why_not = classify(aten_gm, example_inputs) if classify else None
@@ -70,12 +69,14 @@ def compile_plan(gm: torch.fx.GraphModule, example_inputs, glue: bool = True, cl
     finally:
         arena.close()
     plan, report = lower_to_plan(aten_gm, example_inputs, copies, dynamo_input_names(gm), written)
+    if arena.family is not None:  # the lock of the plans it shares copies with (kwker.weights._shared)
+        plan.call_lock = arena.family
     if copies or scalars:
-        refresh = _Refresh(CopiedWeights(copies, {name: i for i, name in enumerate(placeholders)}), scalars, gm, glue,
-                           classify, kept)
+        refresh = _Refresh(CopiedWeights(list(copies.values()), {name: i for i, name in enumerate(placeholders)}),
+                           scalars, gm, glue, classify, plan.call_lock)
         plan.watch(refresh.sources, refresh)
     detail = {"rewrites": {k: v for k, v in counts.items() if v}, "fallback_ops": report.fallback_ops,
-              "copies": len(copies)}
+              "copies": len(copies), "copies_refused": arena.refused}
     return plan, detail
 
 
@@ -147,12 +148,16 @@ class _Refresh:
     """What a plan calls when a source of its copies or a value it was
     specialised on changed: the copies packed again (None), or the graph
     compiled again for these arguments (a new Plan, which the plan takes over).
-    `sources` is the list the plan checks, kept up to date in place."""
+    `sources` is the list the plan checks, kept up to date in place. The
+    plan compiled again holds the plan's own CallLock, `family`, and reads the
+    copies of that family that are still fresh: the plan goes on holding its
+    lock (a state of another would let a thread in beside one holding the old),
+    and makes again only what changed."""
 
     def __init__(self, copied: CopiedWeights, scalars: list[tuple[int, float]], gm: torch.fx.GraphModule,
-                 glue: bool, classify: Classify | None, kept: dict | None):
+                 glue: bool, classify: Classify | None, family):
         self.copied, self.scalars, self.gm, self.glue, self.classify = copied, scalars, gm, glue, classify
-        self.kept = kept
+        self.family = family
         self.sources = copied.watched() + scalars
 
     def __call__(self, args):
@@ -165,7 +170,7 @@ class _Refresh:
             return None
         log.info("plan: %s; compiling the graph again",
                  "a weight can no longer be copied the same way" if same_values else "a float input changed")
-        plan, _ = compile_plan(self.gm, list(args), self.glue, self.classify, kept=self.kept)
+        plan, _ = compile_plan(self.gm, list(args), self.glue, self.classify, family=self.family)
         return plan
 
     def _check_source(self, i: int, watch, now) -> None:

@@ -2,10 +2,12 @@
 graph with its kind, the candidates timed and the one kept, the fallback ops in
 its plan and its compile seconds. ``graphs()`` gives the same as records."""
 
-import threading
 import weakref
 from collections import Counter
 from dataclasses import dataclass, field
+
+from kwker.threads import ForkSafeLock
+from kwker.weights import size
 
 
 @dataclass
@@ -18,6 +20,7 @@ class GraphReport:
     rewrites: dict[str, int] = field(default_factory=dict)
     fallback_ops: list[str] = field(default_factory=list)
     copies: int = 0  # weight copies kwker made and keeps fresh (kwker.weights)
+    copies_refused: int = 0  # bytes of weight copies not made: they would not fit in the memory left (WeightArena)
     why: str = ""
     candidates: dict[str, float] = field(default_factory=dict)  # a tuned graph's: ms per candidate timed
     choice: str = ""  # the candidate kept
@@ -39,7 +42,7 @@ class GraphReport:
 
 
 _graphs: list[GraphReport] = []
-_lock = threading.Lock()  # two threads compiling at once: each graph its own index
+_lock = ForkSafeLock()  # two threads compiling at once: each graph its own index
 
 
 def record(**fields) -> GraphReport:
@@ -66,6 +69,8 @@ def format_report() -> str:
             extra = ", ".join(f"{op} ×{n}" if n > 1 else op for op, n in Counter(g.fallback_ops).items())
         else:
             extra = g.why
+        if g.copies_refused:
+            extra += f"; {size(g.copies_refused)} of weight copies not made: no memory left for them"
         lines.append(f"{g.index:>5}  {kind:<{width}} {g.nodes:>5} {g.seconds:>9.2f}  {extra}")
     return "\n".join(lines)
 

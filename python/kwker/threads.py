@@ -13,8 +13,43 @@ starts, before kwker is imported, so kwker can only say so.
 
 import logging
 import os
+import threading
+import weakref
 
 log = logging.getLogger(__name__)
+
+
+class ForkSafeLock:
+    """A threading.Lock that a forked child finds free. fork copies only the
+    forking thread, so a lock another thread held at the fork (a generate()
+    thread inside a decode step's call beside a forking DataLoader) would be
+    held in the child for good, and its first call there would hang. Every
+    lock kwker holds is one (the plans' own are their CallLocks, which _C
+    frees in a child the same way)."""
+
+    def __init__(self):
+        self._lock = self._held = threading.Lock()
+        _fork_safe_locks.add(self)
+
+    def __enter__(self):
+        lock = self._lock
+        lock.acquire()
+        self._held = lock  # the one to release: a child's fresh lock is not it
+        return self
+
+    def __exit__(self, *exc):
+        self._held.release()
+
+
+_fork_safe_locks: "weakref.WeakSet[ForkSafeLock]" = weakref.WeakSet()
+
+
+def _free_locks_in_child():
+    for lock in list(_fork_safe_locks):
+        lock._lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_free_locks_in_child)
 
 SPIN_VARIABLES = ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY", "KMP_BLOCKTIME")
 

@@ -4,8 +4,8 @@ to the model's weights.
 
 A weight is read as stored (the model's own tensor, bound on every call) when
 it lives in memory other processes share (their writes are never seen, see
-shared_with_other_processes), when its graph's copies would not fit in the
-memory left for them (memory_for_copies), when its linear has rows enough for oneDNN's
+shared_with_other_processes), when its copy would not fit in what is left
+of the memory for copies (WeightArena.admit), when its linear has rows enough for oneDNN's
 matmul to be faster (DNNL_MIN_ROWS: the product is then compute-bound, and
 oneDNN has no float32 × bfloat16 matmul), and otherwise unless a copy reads
 fewer bytes or fewer calls:
@@ -39,7 +39,9 @@ place (contents unchanged).
 import logging
 import math
 import re
+import weakref
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -186,8 +188,8 @@ def copy_bytes(weights: list[torch.Tensor], biases: list[torch.Tensor], rows: in
     storage = decide(weights, rows, kn)
     if storage is None:
         return 0
-    stacked_biases = copy_nbytes(biases, bias_storage(biases)) if len(weights) > 1 and biases else 0
-    return copy_nbytes(weights, storage) + stacked_biases
+    stacked_biases = reserve_nbytes(biases, bias_storage(biases)) if len(weights) > 1 and biases else 0
+    return reserve_nbytes(weights, storage) + stacked_biases
 
 
 def copy_nbytes(sources: list[torch.Tensor], storage: Storage | None) -> int:
@@ -216,29 +218,59 @@ class WeightArena:
     compile for SmolLM2-360M's 724 MB of copies, now on the otherwise idle
     core. Copies are cut from it in order; close() returns the unused tail.
 
-    kept: the copies the graph's plans for other sizes read, by (source names,
-    storage), shared by every plan of the graph (decode.StepPerSizes): a plan
-    for new sizes reads those whose sources are unchanged instead of copying
-    again. Each plan watches the sources of its copies; whichever plan sees a
-    change first packs the shared copy again, and the others find it fresh."""
+    The copies take at most the memory left for them (memory_for_copies, read
+    when the arena is made): the rewrites ask admit() for each group's copies,
+    in the graph's order, and read the weights of the groups refused as stored.
+    A model that nearly fills the memory keeps the copies of its first layers,
+    not none: a refused bf16 copy of a bf16-valued float32 weight reads twice
+    its bytes at every token.
 
-    def __init__(self, nbytes: int, kept: dict | None = None):
-        # No copies at all where they would not fit in the memory left (memory_for_copies): the
-        # weights are read as stored (may_copy). Counted whole, though a plan for other sizes may
-        # find some kept: a kept copy whose sources were written since is made again, not reused.
-        left = memory_for_copies() if nbytes else 0
-        self.copies = nbytes <= left
-        if not self.copies:
-            global _warned_memory
-            (log.info if _warned_memory else log.warning)(
-                "kwker: the graph's weight copies (%.2f GiB) would not fit in the memory left for them (%.2f GiB, "
-                "what is available less what the process may still need): its weights are read as stored",
-                nbytes / 2**30, max(left, 0) / 2**30)
-            _warned_memory, nbytes = True, 0
+    family: the CallLock of the plan the copies are for. Given (a plan rebuilt
+    keeps its own; the tuner's plans get their own, kwker.dynamo_backend), only
+    copies of that family are shared; else that of the first copy it shares
+    with other plans (_shared), or a new one at its first copy."""
+
+    def __init__(self, nbytes: int, family=None):
+        self.budget = max(memory_for_copies(), 0)
+        self.admitted: set = set()  # the keys (_shared_key) of the copies admitted
+        self.taken = self.refused = 0  # bytes of copies admitted, and refused
+        nbytes = min(nbytes, self.budget)
         self.memory = _C.weight_reserve(nbytes) if nbytes else None
         self.capacity, self.used = nbytes, 0
-        self.kept = kept
+        self.family = family
         self._scratch = torch.empty(0)
+
+    def admit(self, copies: list[tuple[list[str], Storage]], params: dict[str, torch.Tensor]) -> bool:
+        """Whether a group's copies ((source names, storage) each, all or none)
+        fit in what is left of the budget; they are counted when they do. A
+        copy of the same sources made the same way counts once (a weight that
+        two calls read), and one that other plans read and this one can share
+        (shared) not at all. A shared copy whose sources were written since is
+        made again (make_copy), so it counts."""
+        new = {}
+        for names, storage in copies:
+            tensors = [params[n] for n in names]
+            key = _shared_key(tensors, storage)
+            if key in self.admitted or self.shared(key, tensors) is not None:
+                continue
+            new[key] = copy_nbytes(tensors, storage)
+        nbytes = sum(new.values())
+        if self.taken + nbytes > self.budget:
+            self.refused += nbytes
+            return False
+        self.admitted.update(new)
+        self.taken += nbytes
+        return True
+
+    def shared(self, key: tuple, tensors: list[torch.Tensor]) -> "CopiedWeight | None":
+        """The copy other plans read of these sources made this way, where its
+        sources are unchanged since and it is of this plan's family (the first
+        found decides it)."""
+        same = _fresh_shared(key, tensors)
+        if same is None or (self.family is not None and same.family is not self.family):
+            return None
+        self.family = same.family
+        return same
 
     def empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
         count = math.prod(shape)
@@ -259,14 +291,20 @@ class WeightArena:
         if self.memory is not None:
             self.memory.trim(self.used)
         self._scratch = torch.empty(0)
+        if self.refused:
+            global _warned_memory
+            (log.info if _warned_memory else log.warning)(
+                "kwker: %s of the graph's weight copies would not fit in the memory left for them (%s: what is "
+                "available less what the process may still need); %s were made, and the weights of the rest are read "
+                "as stored", size(self.refused), size(self.budget), size(self.taken))
+            _warned_memory = True
 
 
-_warned_memory = False  # the first graph whose copies did not fit is warned about, the others logged
+_warned_memory = False  # the first graph whose copies did not all fit is warned about, the others logged
 
 
-def may_copy(arena: WeightArena | None) -> bool:
-    """Whether a rewrite may copy weights into arena (not where they would not fit)."""
-    return arena is None or arena.copies
+def size(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
 
 
 def memory_for_copies() -> int:
@@ -366,14 +404,14 @@ def fill_copy(copy: torch.Tensor, sources: list[torch.Tensor], storage: Storage,
     copy.copy_(stacked.view(n, kb, b).transpose(0, 1))
 
 
-@dataclass
+@dataclass(eq=False)
 class CopiedWeight:
-    """A copy kwker made of one weight, or of a group's weights or biases stacked."""
+    """A copy kwker made of one weight, or of a group's weights or biases
+    stacked; plans of several graphs may read it (_shared)."""
 
-    attr: str  # the graph attribute that holds it
-    sources: list[str]  # the graph inputs it is made from, stacked in this order
     storage: Storage
     copy: torch.Tensor
+    family: object  # the CallLock of the plans that read it
     watches: list = field(default_factory=list)  # a kwker._C.Watch per source
 
     def refresh(self, tensors: list[torch.Tensor]) -> bool:
@@ -387,12 +425,14 @@ class CopiedWeight:
         refresh: rearmed, they would have passed the half-made copy as fresh."""
         if self.storage.dtype != copy_dtype(tensors) and self.storage.dtype == torch.bfloat16:
             return False
-        moved = [t for w, t in zip(self.watches, tensors) if w.moved(t)]
-        if moved and shared_with_other_processes(moved):
+        # moved: param.data = other, or its storage freed and allocated again
+        moved = [w.moved(t) for w, t in zip(self.watches, tensors)]
+        if any(moved) and shared_with_other_processes([t for m, t in zip(moved, tensors) if m]):
             return False
         try:
             for i, t in enumerate(tensors):
-                if self.watches[i].moved(t):  # param.data = other, or its storage freed and allocated again
+                if moved[i]:  # the old watch reports changed to the plans that still check it: they look again
+                    self.watches[i].invalidate()
                     self.watches[i] = _C.Watch(t)
                 else:
                     self.watches[i].rearm()  # the same memory, written: watch afresh, then copy
@@ -404,16 +444,24 @@ class CopiedWeight:
         return True
 
 
+class PlanCopy(NamedTuple):
+    """A copy as one plan reads it: the graph inputs it is made from (by this
+    graph's names, stacked in this order) and the copy."""
+
+    sources: list[str]
+    weight: CopiedWeight
+
+
 class CopiedWeights:
     """The copies one plan reads, and their sources' watches by argument index."""
 
-    def __init__(self, copies: list[CopiedWeight], arg_index: dict[str, int]):
+    def __init__(self, copies: list[PlanCopy], arg_index: dict[str, int]):
         self.copies = copies
         self.arg_index = arg_index
 
     def watched(self) -> list[tuple[int, object]]:
         """(argument index, Watch) for every source: what the plan checks (kwker._C.Plan.watch)."""
-        return [(self.arg_index[name], w) for c in self.copies for name, w in zip(c.sources, c.watches)]
+        return [(self.arg_index[name], w) for c in self.copies for name, w in zip(c.sources, c.weight.watches)]
 
     def refresh(self, args) -> bool:
         """Brings every copy whose sources changed up to date; False when one
@@ -421,29 +469,58 @@ class CopiedWeights:
         watched() again."""
         for c in self.copies:
             tensors = [args[self.arg_index[name]] for name in c.sources]
-            if all(w.matches(t) for w, t in zip(c.watches, tensors)):
+            if all(w.matches(t) for w, t in zip(c.weight.watches, tensors)):
                 continue
-            if not c.refresh(tensors):
+            if not c.weight.refresh(tensors):
                 return False
         return True
 
 
-def make_copy(attr: str, names: list[str], tensors: list[torch.Tensor], storage: Storage,
-              arena: WeightArena | None = None) -> CopiedWeight:
+# The copies plans read, by their sources' memory and layout and their storage,
+# while one reads them: the graphs Dynamo makes of one model (a static
+# decode step and the dynamic one compiled after it, the chunks of a chunked
+# prefill, a plan per size of decode.StepPerSizes) read one copy of each weight,
+# not one each (before, SmolLM2-360M's 724 MB of bf16 copies were made again by
+# the second generate() of another length). The plans that share copies hold one
+# CallLock: whichever first sees a source written packs the copy again, in place,
+# and the others must not replay it meanwhile.
+_shared: "weakref.WeakValueDictionary[tuple, CopiedWeight]" = weakref.WeakValueDictionary()
+
+
+def _shared_key(tensors: list[torch.Tensor], storage: Storage) -> tuple:
+    """A copy's sources by memory and layout: a source's watch keeps its memory
+    alive (Watch.tensor), so no other tensor takes that address while a plan
+    reads the copy."""
+    return (storage, tuple((t.data_ptr(), t.dtype, tuple(t.shape), t.stride()) for t in tensors))
+
+
+def _fresh_shared(key: tuple, tensors: list[torch.Tensor]) -> CopiedWeight | None:
+    same = _shared.get(key)
+    return same if same is not None and all(w.matches(t) for w, t in zip(same.watches, tensors)) else None
+
+
+def reserve_nbytes(sources: list[torch.Tensor], storage: Storage | None) -> int:
+    """What a copy of the sources in this storage (None: no copy) will take
+    from a WeightArena: nothing where plans read a fresh one already
+    (make_copy): the memory reserved faults in, and a second graph of a model
+    would fault in its copies' size only to hand it back."""
+    if storage is None or _fresh_shared(_shared_key(sources, storage), sources) is not None:
+        return 0
+    return copy_nbytes(sources, storage)
+
+
+def make_copy(tensors: list[torch.Tensor], storage: Storage, arena: WeightArena) -> CopiedWeight:
     """Watches the sources, then copies them: a write in between is seen. A
-    copy the arena keeps of the same sources, made the same way and still
-    fresh, is returned instead."""
-    key = (tuple(names), storage)
-    kept = arena.kept if arena else None
-    same = kept.get(key) if kept is not None else None
-    if same is not None and all(w.matches(t) for w, t in zip(same.watches, tensors)):
+    copy other plans read of the same sources, made the same way and still
+    fresh, is returned instead (WeightArena.shared)."""
+    key = _shared_key(tensors, storage)
+    same = arena.shared(key, tensors)
+    if same is not None:
         return same
     watches = [_C.Watch(t) for t in tensors]
-    shape = copy_shape(tensors, storage)
-    copy = arena.empty(shape, storage.dtype) if arena else weight_empty(shape, storage.dtype)
-    scratch = arena.scratch(copy.numel(), storage.dtype) if arena and storage.block else None
-    fill_copy(copy, tensors, storage, scratch)
-    made = CopiedWeight(attr, names, storage, copy, watches)
-    if kept is not None:
-        kept[key] = made
+    copy = arena.empty(copy_shape(tensors, storage), storage.dtype)
+    fill_copy(copy, tensors, storage, arena.scratch(copy.numel(), storage.dtype) if storage.block else None)
+    if arena.family is None:
+        arena.family = _C.CallLock()
+    made = _shared[key] = CopiedWeight(storage, copy, arena.family, watches)
     return made

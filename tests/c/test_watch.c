@@ -58,6 +58,28 @@ Test(watch, a_write_to_a_whole_page_is_seen_and_rearm_starts_afresh) {
     kw_watch_free(w);
 }
 
+Test(watch, invalidating_all_makes_every_watch_report_changed_until_it_is_armed_again) {
+    /* a child forked while a thread it lacks may have been making a copy: all are made again */
+    unsigned char *mem = pages(4), *p;
+    size_t n;
+    range_in(mem, 4, &p, &n);
+    kw_watch *whole = kw_watch_new(p, n), *small = kw_watch_new(p, 16); /* small: no whole page, compared */
+    cr_assert(whole && small);
+    cr_expect_eq(kw_watch_changed(whole) + kw_watch_changed(small), 0);
+    kw_watch_invalidate_all();
+    cr_expect_eq(kw_watch_changed(whole), 1);
+    cr_expect_eq(kw_watch_changed(small), 1);
+    cr_expect_eq(kw_watch_rearm(whole), 0);
+    cr_expect_eq(kw_watch_changed(whole), 0);
+    cr_expect_eq(kw_watch_changed(small), 1, "until it too is armed again");
+    kw_watch *later = kw_watch_new(p + 32, 16);
+    cr_assert_not_null(later);
+    cr_expect_eq(kw_watch_changed(later), 0, "made after: not invalidated");
+    kw_watch_free(later);
+    kw_watch_free(small);
+    kw_watch_free(whole);
+}
+
 Test(watch, a_write_to_the_partial_pages_at_either_end_is_seen_by_comparison) {
     unsigned char *mem = pages(4), *p;
     size_t n;

@@ -99,10 +99,10 @@ def test_sizes_a_plan_cannot_be_compiled_for_run_dynamos_graph_eagerly_with_eage
 
     compile_decode_plan = kwker.decode.compile_decode_plan
 
-    def refuse_72(gm, args, glue=True, kept=None):
+    def refuse_72(gm, args, glue=True):
         if any(isinstance(a, torch.Tensor) and a.dim() == 4 and a.shape[2] == 72 for a in args):  # the cache
             raise kwker.lower.NotLowerable("refused by the test")
-        return compile_decode_plan(gm, args, glue, kept)
+        return compile_decode_plan(gm, args, glue)
 
     monkeypatch.setattr(kwker.decode, "compile_decode_plan", refuse_72)
     model = llama()
@@ -244,9 +244,9 @@ def reserved_and_copied(module, *args):
         torch.compile(module, backend=capture, fullgraph=True)(*args)
     ((reserved, used, copies, arena),) = seen
     start = arena.memory and torch.frombuffer(arena.memory, dtype=torch.uint8).data_ptr()
-    for c in copies:  # every copy was cut from the reservation, none from memory of its own
-        assert start <= c.copy.data_ptr() < start + reserved, c.attr
-    return reserved, used, copies
+    for attr, c in copies.items():  # every copy was cut from the reservation, none from memory of its own
+        assert start <= c.weight.copy.data_ptr() < start + reserved, attr
+    return reserved, used, [c.weight for c in copies.values()]
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -272,7 +272,7 @@ def test_the_weight_reservation_holds_a_mixture_of_experts_copies(bf16_valued):
                                      num_local_experts=4, num_experts_per_tok=2), bf16_valued=bf16_valued)
     reserved, used, copies = reserved_and_copied(model, torch.randint(0, 64, (1, 5)))
     experts = [c for c in copies if c.copy.dim() == 3]  # [E, N, K]: no linear's K is blocked at this size
-    assert len(experts) == (4 if bf16_valued else 0), [(c.attr, c.copy.shape) for c in copies]
+    assert len(experts) == (4 if bf16_valued else 0), [c.copy.shape for c in copies]
     assert reserved - 64 * len(copies) <= used <= reserved
 
 
@@ -298,7 +298,7 @@ def test_the_weight_reservation_holds_the_float32_copies_of_bf16_convolutions(mo
                         lambda w: weights.Storage(torch.float32, 0) if w.dtype == torch.bfloat16 else None)
     module = _Convolutions().to(torch.bfloat16)
     reserved, used, copies = reserved_and_copied(module, torch.randn(1, 3, 8, 8, dtype=torch.bfloat16))
-    assert len(copies) == 5 and all(c.copy.dtype == torch.float32 for c in copies), [c.attr for c in copies]
+    assert len(copies) == 5 and all(c.copy.dtype == torch.float32 for c in copies), [c.copy.dtype for c in copies]
     assert reserved - 64 * len(copies) <= used <= reserved
 
 
@@ -366,7 +366,7 @@ def test_a_tensor_written_in_place_is_made_again_by_every_replay_computed_or_con
     from kwker.lower import lower_to_plan
 
     module, x = _ScratchWrite(from_input, returned), torch.arange(8.0)
-    plan, report = lower_to_plan(trace_to_aten(module, [x, torch.tensor([2])]), [x, torch.tensor([2])], [])
+    plan, report = lower_to_plan(trace_to_aten(module, [x, torch.tensor([2])]), [x, torch.tensor([2])])
     assert "aten.index_fill_.int_Scalar" in report.fallback_ops
     kept = []
     for p in (2, 5, 2):  # a stale scratch would keep the earlier calls' ones
@@ -395,7 +395,7 @@ def test_a_returned_constant_and_its_views_share_one_fresh_copy_as_in_eager():
     from kwker.lower import lower_to_plan
 
     module, x = _ReturnsAConstantAndItsViews(), torch.randn(3)
-    plan, _ = lower_to_plan(trace_to_aten(module, [x]), [x], [])
+    plan, _ = lower_to_plan(trace_to_aten(module, [x]), [x])
     first = plan(x)
     for got in (first, plan(x)):
         want = module(x)
@@ -421,7 +421,7 @@ def test_a_constant_viewed_in_another_dtype_is_not_lowered():
 
     x = torch.randn(3)
     with pytest.raises(NotLowerable, match="views a constant in another dtype or layout"):
-        lower_to_plan(trace_to_aten(_ViewsAConstantInAnotherDtype(), [x]), [x], [])
+        lower_to_plan(trace_to_aten(_ViewsAConstantInAnotherDtype(), [x]), [x])
 
 
 def _layer_norm(x, w, b):
@@ -474,7 +474,7 @@ def test_a_rotary_with_cos_and_sin_of_two_dtypes_rounds_as_eager(cos_dtype, sin_
     traced = trace_to_aten(_rotary, inputs)
     counts, _ = rewrite_language_model(traced)
     assert counts["rotary"] == 1, counts
-    plan, _ = lower_to_plan(traced, inputs, [])
+    plan, _ = lower_to_plan(traced, inputs)
     assert torch.equal(plan(*inputs)[0], _rotary(*inputs))
 
 
@@ -496,7 +496,7 @@ def test_a_layer_norm_of_a_transposed_value_is_native_over_a_contiguous_copy():
     assert not (torch.nn.functional.conv1d(x, conv_weight, padding=1).transpose(1, 2) + pos).is_contiguous()
     gm = trace_to_aten(_TransposedNorm(), inputs)
     gm.graph.eliminate_dead_code()  # the norm's mean and rstd, unread (compile_plan's rewrites do this)
-    plan, report = lower_to_plan(gm, inputs, [])
+    plan, report = lower_to_plan(gm, inputs)
     assert report.fallback_ops == ["aten.convolution.default"], report.fallback_ops
     (out,) = plan(*inputs)
     torch.testing.assert_close(out, _TransposedNorm()(*inputs), rtol=1e-5, atol=1e-5)
@@ -515,7 +515,7 @@ def test_a_norm_the_kernel_takes_in_no_layout_adds_no_copy_before_its_fallback()
     inputs = [torch.randn(16, 8, dtype=torch.float16), torch.randn(16, dtype=torch.float16)]
     gm = trace_to_aten(norm, inputs)
     gm.graph.eliminate_dead_code()
-    plan, report = lower_to_plan(gm, inputs, [])
+    plan, report = lower_to_plan(gm, inputs)
     assert report.fallback_ops == ["aten.native_layer_norm.default"] and report.native_steps == 0, report
     (out,) = plan(*inputs)
     torch.testing.assert_close(out, norm(*inputs))
@@ -532,7 +532,7 @@ def test_a_plan_of_one_hot_checks_the_classes_as_eager_does():
         return torch.nn.functional.one_hot(i, 5).sum(0)
 
     gm = trace_to_aten(torch.fx.symbolic_trace(counts), [torch.tensor([0, 1, 2, 3, 4, 4])])
-    plan, _ = lower_to_plan(gm, [torch.tensor([0, 1, 2, 3, 4, 4])], [])
+    plan, _ = lower_to_plan(gm, [torch.tensor([0, 1, 2, 3, 4, 4])])
     assert torch.equal(plan(torch.tensor([4, 1, 1, 0, 2, 3]))[0], counts(torch.tensor([4, 1, 1, 0, 2, 3])))
     for bad, why in (([0, 5, 1, 2, 3, 4], "smaller than num_classes"), ([0, -1, 1, 2, 3, 4], "non-negative")):
         with pytest.raises(RuntimeError, match=why):
@@ -587,7 +587,7 @@ def _assert_native_and_close(traced, module, inputs, dtype, bf16_tolerance):
     tolerance)."""
     from kwker.lower import lower_to_plan
 
-    plan, report = lower_to_plan(traced, inputs, [])
+    plan, report = lower_to_plan(traced, inputs)
     assert report.fallback_ops == [], report.fallback_ops
     expected = module(*inputs)
     tolerance = 1e-5 if dtype == torch.float32 else bf16_tolerance
@@ -705,7 +705,7 @@ def test_true_division_of_positions_floor_log_and_sigmoid_are_native_steps(dtype
     inputs = [torch.tensor([[0, 15, 16, 47, 1000, 123456]]), torch.randn(1, 2, 6, 8, generator=g).to(dtype),
               (torch.randn(1, 2, 6, 8, generator=g) * 6).to(dtype)]
     module = _PositionScaleAndGate()
-    plan, report = lower_to_plan(trace_to_aten(module, inputs), inputs, [])
+    plan, report = lower_to_plan(trace_to_aten(module, inputs), inputs)
     assert report.fallback_ops == [], report.fallback_ops
     # libm's logf and expf against ATen's vectorised ones: within an ulp or two
     tolerance = dict(rtol=3e-7, atol=1e-7) if dtype == torch.float32 else dict(rtol=2**-8, atol=2**-8)
@@ -715,7 +715,7 @@ def test_true_division_of_positions_floor_log_and_sigmoid_are_native_steps(dtype
 
     # A 0-d integer tensor times a bf16 one: ATen uses its exact value, not its bf16 rounding.
     x, n = inputs[1], torch.tensor(257)
-    plan, report = lower_to_plan(trace_to_aten(_TimesCount(), [x, n]), [x, n], [])
+    plan, report = lower_to_plan(trace_to_aten(_TimesCount(), [x, n]), [x, n])
     assert report.fallback_ops == ([] if dtype == torch.float32 else ["aten.mul.Tensor"]), report.fallback_ops
     assert torch.equal(plan(x, n)[0], _TimesCount()(x, n))
 
@@ -739,7 +739,7 @@ def test_float_to_int_conversions_give_what_pytorch_gives_on_this_cpu_out_of_ran
 
     x = torch.tensor([float("nan"), float("inf"), -float("inf"), 3e9, -3e9, 1e19, -1e19, 300.0, -1.0, -129.0,
                       255.9, 65543.0, 2.0**31, -2.0**31, 2.0**63, -2.0**63, 0.5, -0.5, -0.0, 2.9, -2.9]).to(dtype)
-    plan, report = lower_to_plan(trace_to_aten(_ToInts(), [x]), [x], [])
+    plan, report = lower_to_plan(trace_to_aten(_ToInts(), [x]), [x])
     assert report.fallback_ops == [], report.fallback_ops
     for got, want in zip(plan(x), _ToInts()(x)):
         assert torch.equal(got, want), (want.dtype, got, want)
@@ -755,7 +755,7 @@ def test_rows_picked_by_an_index_tensor_are_a_native_step_that_counts_negative_i
     from kwker.lower import lower_to_plan
 
     x, ids = torch.randn(6, 5), torch.tensor([0, 5, 2])
-    plan, report = lower_to_plan(trace_to_aten(_Gather(), [x, ids]), [x, ids], [])
+    plan, report = lower_to_plan(trace_to_aten(_Gather(), [x, ids]), [x, ids])
     assert report.fallback_ops == [] and report.native_steps == 3
     for picked in ([0, 5, 2], [-1, -6, 3]):
         (out,) = plan(x, torch.tensor(picked))
@@ -781,7 +781,7 @@ def test_rows_written_by_an_index_tensor_are_a_native_step_in_place():
     from kwker.lower import lower_to_plan
 
     x, perm = torch.randn(5, 3), torch.tensor([3, 0, 4, 1, 2])
-    plan, report = lower_to_plan(trace_to_aten(_Unpermute(), [x.clone(), perm]), [x.clone(), perm], [])
+    plan, report = lower_to_plan(trace_to_aten(_Unpermute(), [x.clone(), perm]), [x.clone(), perm])
     assert report.fallback_ops == [], report.fallback_ops
     for order in ([3, 0, 4, 1, 2], [1, 2, -1, 0, 3]):
         got_x, want_x = x.clone(), x.clone()
@@ -839,7 +839,7 @@ def test_a_sliding_windows_roll_constant_index_and_copy_back_are_native_steps_in
 
     cache, new, x = torch.randn(1, 2, 4, 3), torch.randn(1, 1, 1, 3), torch.randn(5, 4)  # new broadcast over heads
     gm = trace_to_aten(module(), [cache.clone(), new, x.clone()])
-    plan, report = lower_to_plan(gm, [cache.clone(), new, x.clone()], [])
+    plan, report = lower_to_plan(gm, [cache.clone(), new, x.clone()])
     assert report.fallback_ops == [], report.fallback_ops
     assert plan.dump().count(" kv_shift ") == shifts
     for _ in range(3):  # the window moves on each call, in the cache's own memory
@@ -901,7 +901,7 @@ def test_a_constant_index_naming_one_position_twice_stays_pytorchs():
     from kwker.lower import lower_to_plan
 
     x, new = torch.randn(2, 4), torch.randn(2, 2)
-    plan, report = lower_to_plan(trace_to_aten(_RepeatedIndex(), [x.clone(), new]), [x.clone(), new], [])
+    plan, report = lower_to_plan(trace_to_aten(_RepeatedIndex(), [x.clone(), new]), [x.clone(), new])
     assert report.fallback_ops == ["aten.index_put_.default"], report.fallback_ops
     got_x, want_x = x.clone(), x.clone()
     assert torch.equal(plan(got_x, new)[0], _RepeatedIndex()(want_x, new)) and torch.equal(got_x, want_x)
@@ -918,7 +918,7 @@ def test_a_constant_index_writing_another_dtype_raises_as_eager():
     from kwker.lower import lower_to_plan
 
     x, new = torch.randn(2, 4), torch.ones(2, 1, dtype=torch.int64)
-    plan, report = lower_to_plan(trace_to_aten(_IntIntoFloat(), [x.clone(), new]), [x.clone(), new], [])
+    plan, report = lower_to_plan(trace_to_aten(_IntIntoFloat(), [x.clone(), new]), [x.clone(), new])
     assert report.fallback_ops == ["aten.index_put_.default"], report.fallback_ops
     with pytest.raises(RuntimeError, match="dtypes match"):
         _IntIntoFloat()(x.clone(), new)
@@ -942,7 +942,7 @@ def test_histograms_and_running_sums_are_native_steps_equal_to_pytorchs():
 
     g = torch.Generator().manual_seed(1)
     ids, x = torch.randint(0, 8, (6,), generator=g), torch.rand(4, 300, generator=g) * 3 - 1.5
-    plan, report = lower_to_plan(trace_to_aten(_Offsets(), [ids, x]), [ids, x], [])
+    plan, report = lower_to_plan(trace_to_aten(_Offsets(), [ids, x]), [ids, x])
     assert report.fallback_ops == [], report.fallback_ops
     edges = torch.linspace(-1.0, 1.5, 6)
     for _ in range(5):
@@ -969,7 +969,7 @@ def test_sums_over_two_and_in_place_divisions_are_native_steps_equal_to_eagers(d
 
     g = torch.Generator().manual_seed(0)
     scores, outputs = torch.randn(3, 8, generator=g).to(dtype), torch.randn(6, 40, generator=g).to(dtype)
-    plan, report = lower_to_plan(trace_to_aten(_TopTwo(), [scores, outputs]), [scores, outputs], [])
+    plan, report = lower_to_plan(trace_to_aten(_TopTwo(), [scores, outputs]), [scores, outputs])
     assert report.fallback_ops == []
     for _ in range(2):
         got, want = plan(scores, outputs), _TopTwo()(scores, outputs)
@@ -998,7 +998,7 @@ def test_topk_is_a_native_step_in_pytorchs_own_order_among_equal_values(dtype):
     for n, k in [(2, 1), (4, 2), (8, 2), (8, 8), (16, 3), (60, 4), (64, 1), (130, 2), (300, 4), (33, 33)]:
         for largest, is_sorted in [(True, True), (False, True), (True, False)]:
             x = torch.zeros(50, n, dtype=dtype)
-            plan, report = lower_to_plan(trace_to_aten(_TopK(k, largest, is_sorted), [x]), [x], [])
+            plan, report = lower_to_plan(trace_to_aten(_TopK(k, largest, is_sorted), [x]), [x])
             assert report.fallback_ops == [], report.fallback_ops
             for _ in range(3):
                 x = torch.randint(-1, 2, (50, n), generator=g).to(dtype)
@@ -1027,7 +1027,7 @@ def test_sorts_whose_order_is_unique_and_integer_floor_division_are_native_steps
 
     g = torch.Generator().manual_seed(4)
     probs, ids = torch.rand(1, 8, generator=g), torch.randint(0, 4, (12,), generator=g)
-    plan, report = lower_to_plan(trace_to_aten(_Route(), [probs, ids]), [probs, ids], [])
+    plan, report = lower_to_plan(trace_to_aten(_Route(), [probs, ids]), [probs, ids])
     assert report.fallback_ops == ["aten.sort.default"]  # ids with repeats: PyTorch's own unstable order
     for _ in range(5):
         got, want = plan(probs, ids), _Route()(probs, ids)
@@ -1048,7 +1048,7 @@ def test_a_sort_of_topk_indices_that_repeat_stays_pytorchs():
     from kwker.lower import lower_to_plan
 
     x = torch.rand(1, 8)
-    plan, report = lower_to_plan(trace_to_aten(_SortOfRepeats(), [x]), [x], [])
+    plan, report = lower_to_plan(trace_to_aten(_SortOfRepeats(), [x]), [x])
     assert report.fallback_ops == ["aten.topk.default", "aten.sort.default"]  # topk: not along the last dim
     got, want = plan(x), _SortOfRepeats()(x)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
@@ -1064,7 +1064,7 @@ def test_an_integer_floor_division_by_zero_falls_back_and_raises_as_eager():
     from kwker.lower import lower_to_plan
 
     x = torch.arange(4)
-    plan, report = lower_to_plan(trace_to_aten(_FloorByZero(), [x]), [x], [])
+    plan, report = lower_to_plan(trace_to_aten(_FloorByZero(), [x]), [x])
     assert report.fallback_ops == ["aten.floor_divide.default"]
     with pytest.raises(RuntimeError, match="ZeroDivisionError"):
         plan(x)
@@ -1092,7 +1092,7 @@ def test_cats_with_empty_inputs_are_native_steps_equal_to_eagers():
     from kwker.lower import lower_to_plan
 
     inputs = [torch.randn(4, 8), torch.empty(0), torch.empty(4, 0)]
-    plan, report = lower_to_plan(trace_to_aten(_CatsWithEmpties(), inputs), inputs, [])
+    plan, report = lower_to_plan(trace_to_aten(_CatsWithEmpties(), inputs), inputs)
     assert report.fallback_ops == [], report.fallback_ops
     for got, want in zip(plan(*inputs), _CatsWithEmpties()(*inputs)):
         assert torch.equal(got, want)
@@ -1113,7 +1113,7 @@ def test_stacks_and_squares_are_native_steps_equal_to_eagers_and_other_powers_fa
     from kwker.lower import lower_to_plan
 
     x, h = torch.randn(1, 4, 1, 8, dtype=dtype), torch.randn(3, 40, dtype=dtype) * 50
-    plan, report = lower_to_plan(trace_to_aten(_StackAndSquare(), [x, h]), [x, h], [])
+    plan, report = lower_to_plan(trace_to_aten(_StackAndSquare(), [x, h]), [x, h])
     assert report.fallback_ops.count("aten.pow.Tensor_Scalar") == 2, report.fallback_ops  # h ** 3, bool ** 2
     for got, want in zip(plan(x, h), _StackAndSquare()(x, h)):
         assert got.dtype == want.dtype and torch.equal(got, want)
@@ -1127,7 +1127,7 @@ def test_clamps_between_numbers_are_native_steps_equal_to_eagers_nans_kept(dtype
     x = torch.randn(4, 64, dtype=dtype) * 6
     x[0, :3] = torch.tensor([float("nan"), 8.125, -8.0625])
     x[1:3, :40] = torch.tensor([-0.0, 0.0]).repeat(20)  # equal to a bound, x is kept: -0.0 stays -0.0
-    plan, report = lower_to_plan(trace_to_aten(_Clamps(), [x]), [x], [])
+    plan, report = lower_to_plan(trace_to_aten(_Clamps(), [x]), [x])
     assert report.fallback_ops == [], report.fallback_ops
     for got, want in zip(plan(x), _Clamps()(x)):
         assert got.dtype == want.dtype and torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0))
@@ -1145,7 +1145,7 @@ def test_only_a_sum_over_one_dim_of_two_is_an_add_and_every_other_sum_falls_back
     from kwker.lower import lower_to_plan
 
     x = torch.randn(2, 2)
-    plan, report = lower_to_plan(trace_to_aten(_Sums(), [x]), [x], [])
+    plan, report = lower_to_plan(trace_to_aten(_Sums(), [x]), [x])
     assert report.fallback_ops == ["aten.sum.dim_IntList"] * 2
     assert all(torch.equal(a, b) for a, b in zip(plan(x), _Sums()(x)))
 
@@ -1176,7 +1176,7 @@ def test_a_sum_of_one_value_or_of_three_or_four_float32_ones_is_a_chain_of_adds_
         return x, mixed
 
     args = list(draw())
-    plan, report = lower_to_plan(trace_to_aten(_SmallSums(), args), args, [])
+    plan, report = lower_to_plan(trace_to_aten(_SmallSums(), args), args)
     native = k == 1 or (dtype == torch.float32 and k <= 4)
     assert report.fallback_ops == ([] if native else ["aten.sum.dim_IntList"] * 4)
     for _ in range(20):
@@ -1212,7 +1212,7 @@ def test_edge_cases_give_what_eager_gives_or_raise_as_it_does(case):
     from kwker.lower import lower_to_plan
 
     args = [torch.linspace(-1, 1, 4).view(1, 4), torch.tensor([1, 2]), torch.randn(0, 2, 3)]
-    plan, _ = lower_to_plan(trace_to_aten(_EdgeCases(case), args), args, [])
+    plan, _ = lower_to_plan(trace_to_aten(_EdgeCases(case), args), args)
     if case != "equal":
         with pytest.raises(RuntimeError) as eager:
             _EdgeCases(case)(*args)
@@ -1269,7 +1269,7 @@ def test_batched_products_are_native_steps_close_to_eagers(dtype):
     inputs = [rand(heads, 1, positions), rand(heads, 3, d), rand(heads, positions, d), rand(heads, positions, d),
               full, rand(7, 2 * d, heads)]
     module = _BatchedProducts()
-    plan, report = lower_to_plan(trace_to_aten(module, inputs), inputs, [])
+    plan, report = lower_to_plan(trace_to_aten(module, inputs), inputs)
     assert report.fallback_ops == [], report.fallback_ops
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2**-7, atol=2**-7)
     for got, want in zip(plan(*inputs), module(*inputs)):
@@ -1277,7 +1277,7 @@ def test_batched_products_are_native_steps_close_to_eagers(dtype):
         torch.testing.assert_close(got, want, **tol)
     rows = _C.op_params()["BMM_MAX_M"] + 1  # a prefill chunk's rows: ATen's blocked GEMM
     q = rand(heads, rows, d)
-    _, report = lower_to_plan(trace_to_aten(module, [inputs[0], q, *inputs[2:]]), [inputs[0], q, *inputs[2:]], [])
+    _, report = lower_to_plan(trace_to_aten(module, [inputs[0], q, *inputs[2:]]), [inputs[0], q, *inputs[2:]])
     assert report.fallback_ops.count("aten.bmm.default") == 2, report.fallback_ops
 
 
@@ -1301,7 +1301,7 @@ def test_comparisons_are_native_steps_equal_to_eagers_nans_unequal(dtype):
     y = torch.tensor([1.0, 1.0, float("nan"), -0.5, 1.0, float("inf"), -0.0, 0.0]).to(dtype)
     inputs = [torch.arange(-4, 8), torch.tensor(3), x, y]
     module = _Comparisons()
-    plan, report = lower_to_plan(trace_to_aten(module, inputs), inputs, [])
+    plan, report = lower_to_plan(trace_to_aten(module, inputs), inputs)
     assert report.fallback_ops == [], report.fallback_ops
     for got, want in zip(plan(*inputs), module(*inputs)):
         assert got.dtype == torch.bool and torch.equal(got, want)
@@ -1327,7 +1327,7 @@ def test_scalar_overloads_of_add_sub_mul_div_are_native_steps_equal_to_eagers(dt
 
     x, ids = (torch.randn(3, 40) * 10).to(dtype), torch.arange(-5, 5)
     module = _ScalarOverloads()
-    plan, report = lower_to_plan(trace_to_aten(module, [x, ids]), [x, ids], [])
+    plan, report = lower_to_plan(trace_to_aten(module, [x, ids]), [x, ids])
     assert report.fallback_ops == ["aten.add.Scalar"], report.fallback_ops
     for got, want in zip(plan(x, ids), module(x, ids)):
         assert got.dtype == want.dtype and torch.equal(got, want)
@@ -1354,7 +1354,7 @@ def test_index_select_maximum_and_minimum_are_native_steps_equal_to_eagers(dtype
     inputs = [torch.randn(10, 6).to(dtype), torch.randn(10).to(dtype), torch.tensor([9, 0, 3, 3]), x, y,
               torch.tensor([-2**62, 5, 7]), torch.tensor([3, -9, 7])]
     module = _SelectAndExtremes()
-    plan, report = lower_to_plan(trace_to_aten(module, inputs), inputs, [])
+    plan, report = lower_to_plan(trace_to_aten(module, inputs), inputs)
     assert report.fallback_ops == [], report.fallback_ops
     for got, want in zip(plan(*inputs), module(*inputs)):
         assert got.dtype == want.dtype and torch.equal(got.nan_to_num(0.5), want.nan_to_num(0.5))
@@ -1379,7 +1379,7 @@ def test_a_safe_softmax_is_a_native_step_close_to_atens_zeros_for_a_row_of_minus
     x[2, ::2] = float("-inf")
     x[3, :] = float("-inf")
     x[3, 5] = float("nan")
-    plan, report = lower_to_plan(trace_to_aten(_SafeSoftmax(), [x]), [x], [])
+    plan, report = lower_to_plan(trace_to_aten(_SafeSoftmax(), [x]), [x])
     assert report.fallback_ops == [], report.fallback_ops
     for got, want in zip(plan(x), _SafeSoftmax()(x)):
         assert got.dtype == want.dtype and torch.equal(got[1], torch.zeros_like(got[1])) and got[3].isnan().all()
@@ -1399,7 +1399,7 @@ def test_rows_picked_after_slices_of_size_one_are_a_native_step():
     from kwker.lower import lower_to_plan
 
     inputs = [torch.randn(1, 1, 6, 16), torch.tensor([5, -6, 2])]
-    plan, report = lower_to_plan(trace_to_aten(_IndexAfterSlices(), inputs), inputs, [])
+    plan, report = lower_to_plan(trace_to_aten(_IndexAfterSlices(), inputs), inputs)
     assert report.fallback_ops == [], report.fallback_ops
     for got, want in zip(plan(*inputs), _IndexAfterSlices()(*inputs)):
         assert torch.equal(got, want)

@@ -2,6 +2,11 @@
 checked on every call, outputs the caller holds are never overwritten, fallbacks
 run Python steps between native ones."""
 
+import os
+import signal
+import threading
+import time
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -15,6 +20,16 @@ P = _C.op_params()
 
 def _contig(b, buf, shape, dtype=F32, offset=0):
     return b.view(buf, dtype, shape, None, offset)
+
+
+def fallback_plan(fn, n_threads=1):
+    """A plan of one fallback step, fn(reads, writes), from a float32 [4] input to an output of its own."""
+    b = _C.PlanBuilder()
+    x = b.input("x", F32, (4,))
+    out = b.output_buffer("out", F32, (4,))
+    b.fallback(fn, [_contig(b, x, (4,))], [_contig(b, out, (4,))])
+    b.output(_contig(b, out, (4,)))
+    return b.finish(n_threads)
 
 
 def relu_fallback(reads, writes):
@@ -264,6 +279,103 @@ def test_a_refresh_that_fails_or_returns_junk_raises_and_the_plan_recovers():
         plan.watch([(1, source)], lambda args: None)
 
 
+@pytest.mark.parametrize("shared", [True, False])
+def test_plans_given_one_call_lock_take_turns(shared):
+    """Plans that read the same weight copies are given one CallLock
+    (kwker.weights): one refreshes a shared copy in place, and another on
+    another thread must not replay it meanwhile. Here the first plan's refresh
+    takes 0.3 s; the second plan, called meanwhile, ends after it only where
+    the two share a lock."""
+    inside, ended = threading.Event(), {}
+
+    def slow_refresh(source):
+        inside.set()
+        time.sleep(0.3)
+        ended["first refresh"] = time.monotonic()
+
+    first, first_source, _ = copying_plan(after_refresh=slow_refresh)
+    second, second_source, _ = copying_plan()
+    if shared:
+        second.call_lock = first.call_lock
+    x = torch.randn(2, 4)
+
+    def call_second():
+        inside.wait()
+        second(x, second_source)
+        ended["second"] = time.monotonic()
+
+    thread = threading.Thread(target=call_second)
+    thread.start()
+    first_source.data.add_(1.0)
+    first(x, first_source)
+    thread.join()
+    assert (ended["second"] > ended["first refresh"]) == shared
+
+
+def test_a_plan_called_inside_the_call_of_a_plan_of_its_lock_is_busy_not_deadlocked():
+    holder = {}
+    first, first_source, _ = copying_plan(after_refresh=lambda source: holder["second"](torch.randn(2, 4),
+                                                                                       holder["source"]))
+    holder["second"], holder["source"], _ = copying_plan()
+    holder["second"].call_lock = first.call_lock
+    first_source.data.add_(1.0)
+    with pytest.raises(_C.PlanError, match="inside the call of a plan that reads the same weight copies") as e:
+        first(torch.randn(2, 4), first_source)
+    assert e.value.code == _C.EBUSY
+    with pytest.raises(TypeError, match="must be a kwker._C.CallLock"):
+        first.call_lock = object()
+
+
+def test_a_plans_call_lock_cannot_change_during_its_call_nor_with_a_rebuilt_state():
+    """A lock swapped during a call (by the setter, or with the state of a
+    plan compiled again, which held its own) let a thread in beside the one
+    holding the old: two calls over one state's buffers at once."""
+    holder = {}
+
+    def swap(source):
+        with pytest.raises(_C.PlanError, match="cannot change during a call"):
+            holder["plan"].call_lock = _C.CallLock()
+        holder["swapped"] = True
+
+    plan, source, _ = copying_plan(after_refresh=swap)
+    holder["plan"], lock = plan, plan.call_lock
+    source.data.add_(1.0)
+    plan(torch.randn(2, 4), source)
+    assert holder["swapped"] and plan.call_lock is lock
+    rebuilt, rebuilt_source, _ = copying_plan()
+    plan.watch([(1, _C.Watch(source))], lambda args: rebuilt)
+    source.data.add_(1.0)
+    torch.testing.assert_close(plan(torch.ones(2, 4), rebuilt_source)[0], torch.ones(2, 4) @ rebuilt_source.T)
+    assert plan.call_lock is lock and rebuilt.call_lock is not lock
+
+
+def test_a_child_forked_while_another_thread_is_inside_a_call_can_call_the_plan():
+    """fork copies only the forking thread: a plan's lock that another thread
+    held at the fork (a DataLoader forking beside a generate() thread) was
+    held in the child for good, and its first call of the plan hung there
+    (eager and Inductor ran)."""
+    inside, leave = threading.Event(), threading.Event()
+
+    def wait_on_one(reads, writes):
+        if reads[0][0] == 1:  # the parent's thread: stay inside the call until the fork is made
+            inside.set()
+            leave.wait(30)
+        writes[0].copy_(reads[0] + 1)
+
+    plan = fallback_plan(wait_on_one)
+    thread = threading.Thread(target=lambda: plan(torch.ones(4)))
+    thread.start()
+    assert inside.wait(30)
+    pid = os.fork()
+    if pid == 0:  # the child: exit 0 only if the call returns, and right
+        signal.alarm(20)
+        os._exit(0 if plan(torch.zeros(4))[0].tolist() == [1.0] * 4 else 1)
+    leave.set()
+    thread.join()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
 def test_a_wrong_input_shape_raises_naming_the_input_and_both_shapes():
     plan, _ = small_linear_plan()
     with pytest.raises(_C.PlanError, match=r"input 'x' \(argument 0\): expected shape \(2, 4\), got \(2, 5\)") as e:
@@ -368,12 +480,7 @@ def test_a_fallback_exception_propagates_and_the_plan_stays_usable():
             raise ValueError("boom")
         writes[0].copy_(reads[0] + 1)
 
-    b = _C.PlanBuilder()
-    x = b.input("x", F32, (4,))
-    out = b.output_buffer("out", F32, (4,))
-    b.fallback(boom, [_contig(b, x, (4,))], [_contig(b, out, (4,))])
-    b.output(_contig(b, out, (4,)))
-    plan = b.finish(2)
+    plan = fallback_plan(boom, n_threads=2)
     with pytest.raises(ValueError, match="boom"):
         plan(torch.zeros(4))
     torch.testing.assert_close(plan(torch.ones(4))[0], torch.full((4,), 2.0))

@@ -8,7 +8,7 @@ import torch
 import transformers.generation.candidate_generator as candidate_generator
 
 import kwker
-from kwker import summary
+from kwker import summary, weights
 from kwker.testing import small_model
 from test_decode_tokens import DTYPES, generate, peaked_model
 
@@ -82,7 +82,7 @@ def test_batch_of_four_with_left_padding_and_a_chunked_prefill_gives_eagers_toke
 
 def test_the_plans_of_one_step_share_its_weight_copies_and_keep_them_fresh():
     """Plans for a step's several sizes read one copy of each weight
-    (kwker.weights.WeightArena.kept); a weight written in place is seen by
+    (kwker.weights._shared); a weight written in place is seen by
     every plan that reads it. The second generate() with a longer cache makes
     Dynamo compile the verify step again with the cache's length dynamic too;
     from then on, another length is another plan of that step."""
@@ -96,15 +96,15 @@ def test_the_plans_of_one_step_share_its_weight_copies_and_keep_them_fresh():
 
     assert same_tokens(80) and same_tokens(96)  # each longer: generate() keeps a cache at least as long
     step = [g.plan() for g in summary.graphs() if g.plan is not None and hasattr(g.plan(), "plans")][-1]
-    kept = dict(step.kept)
+    kept = dict(weights._shared)
     assert kept and len({id(c.copy) for c in kept.values()}) == len(kept)
     assert same_tokens(112)
     assert len(step.plans) > 1, kwker.report()
-    assert all(step.kept[k] is c for k, c in kept.items())  # the new sizes' plan read the same copies
+    assert all(weights._shared[k] is c for k, c in kept.items())  # the new sizes' plan read the same copies
     with torch.no_grad():
         model.model.layers[1].mlp.gate_proj.weight.mul_(-2.0)
     assert same_tokens(112)
-    assert all(step.kept[k] is c for k, c in kept.items())  # packed again in place
+    assert all(weights._shared[k] is c for k, c in kept.items())  # packed again in place
 
 
 def test_every_plan_of_a_step_with_several_sizes_reads_the_cache_with_kwkers_attention():

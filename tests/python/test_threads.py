@@ -6,7 +6,7 @@ import sys
 
 import torch
 
-from kwker.threads import SPIN_VARIABLES, openmp_spin_hint
+from kwker.threads import SPIN_VARIABLES, ForkSafeLock, openmp_spin_hint
 
 
 def test_the_hint_names_the_variable_when_both_pools_outnumber_the_cpus():
@@ -49,3 +49,34 @@ def test_compiling_a_decode_step_says_it_once_and_only_when_it_matters():
         assert stderr.count("GOMP_SPINCOUNT=10000") == 1, stderr
     assert "GOMP_SPINCOUNT=10000" not in run_generate(threads=cpus, GOMP_SPINCOUNT="10000")
     assert "GOMP_SPINCOUNT=10000" not in run_generate(threads=1)
+
+
+def test_a_fork_safe_lock_held_by_another_thread_at_a_fork_is_free_in_the_child():
+    """fork copies only the forking thread: a threading.Lock another thread held
+    (a StepPerSizes' across a decode step's call) stayed held in the child, and
+    the child's first call of that step hung."""
+    import signal
+    import threading
+
+    lock, inside, leave = ForkSafeLock(), threading.Event(), threading.Event()
+
+    def hold():
+        with lock:
+            inside.set()
+            leave.wait(30)
+
+    thread = threading.Thread(target=hold)
+    thread.start()
+    assert inside.wait(30)
+    pid = os.fork()
+    if pid == 0:
+        signal.alarm(20)  # held for good: the child ends by the alarm, not 0
+        with lock:
+            pass
+        os._exit(0)
+    leave.set()
+    thread.join()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    with lock:  # the parent's lock was released by the thread that held it
+        pass

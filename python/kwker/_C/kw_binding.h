@@ -123,6 +123,7 @@ int kw__program_traverse(kw__program *p, visitproc visit, void *arg);
 
 extern PyTypeObject kw__PlanBuilderType;
 extern PyTypeObject kw__PlanType;
+extern PyTypeObject kw__CallLockType;
 extern PyTypeObject kw__WatchType;
 
 /* 1 when `tensor` is not the watch's memory, layout and Python type, or that memory was

@@ -66,14 +66,25 @@ typedef struct kw__state {
     const struct kw_watch **memories; /* room for n_src: this call's memories to check */
 } kw__state;
 
+/* What a plan holds for a whole call. Plans that read the same weight copies
+ * share one (kwker.weights): a refresh packs a copy again in place, and must
+ * not while another of those plans replays it on another thread. */
+typedef struct {
+    PyObject_HEAD
+    PyThread_type_lock lock;
+    unsigned long owner; /* the thread holding it, 0 when none (read and written with the GIL) */
+    unsigned long forks; /* `forks` when it was taken */
+} CallLockObject;
+
 typedef struct PlanObject {
     PyObject_HEAD
     vectorcallfunc vectorcall;
     PyObject *dict;
     PyObject *weakrefs;
     kw__state *s;
-    PyThread_type_lock lock; /* held for a whole call */
+    PyObject *call_lock;     /* a CallLock, held for a whole call; the plan's own, whatever state it adopts */
     unsigned long owner;     /* the thread inside a call, 0 when none (read and written with the GIL) */
+    unsigned long forks;     /* `forks` when the call began */
     PyObject *const *args;   /* this call's arguments */
     PyObject *exc_type, *exc_value, *exc_tb; /* a fallback's exception */
     int64_t timing_ns[5];    /* the last call: sources, inputs, outputs, replay, whole call */
@@ -90,13 +101,29 @@ int kw__replaying(void) { return replaying != NULL; }
 #define MAX_POOL 1024
 static kw_pool *pools[MAX_POOL + 1];
 
-static void forget_pools(void) { memset(pools, 0, sizeof pools); }
+/* The forks this process's line has seen since kwker's first pool: a child
+ * has only the forking thread, so a CallLock another thread held at the fork
+ * (a generate() thread beside a forking DataLoader) is held there for good. */
+static unsigned long forks;
+static int held_call_locks; /* changed with the GIL held */
 
-/* Called with the GIL held, which is what makes the table safe. */
+/* In a child: its parent's pools' threads are not there to run, and a call in
+ * progress on another thread at the fork may have been packing a weight copy
+ * again (a refresh): every copy is packed again before it is read. */
+static void after_fork_in_child(void) {
+    memset(pools, 0, sizeof pools);
+    forks++;
+    if (held_call_locks) kw_watch_invalidate_all();
+    held_call_locks = 0;
+}
+
+/* Called with the GIL held, which is what makes the table safe. Every plan
+ * gets its pool here before its first call, which registers the fork handler
+ * before any CallLock can be taken. */
 kw_pool *kw__pool_get(int n_threads) {
     static int atfork_registered;
     if (!atfork_registered) {
-        pthread_atfork(NULL, NULL, forget_pools);
+        pthread_atfork(NULL, NULL, after_fork_in_child);
         atfork_registered = 1;
     }
     if (!pools[n_threads]) pools[n_threads] = kw_pool_create(n_threads);
@@ -572,15 +599,38 @@ static PyObject *plan_call(PyObject *self, PyObject *const *args, size_t nargsf,
         return kw__plan_error(KW_EBUSY, p->owner == me ? "the plan was called from inside its own call (a fallback "
                                                          "or its refresh)"
                                                        : "a plan cannot be called from another plan's fallback");
-    if (!PyThread_acquire_lock(p->lock, NOWAIT_LOCK)) {
+    CallLockObject *lock = (CallLockObject *)Py_NewRef(p->call_lock); /* the setter may swap it meanwhile */
+    if (lock->owner == me) {
+        Py_DECREF(lock);
+        return kw__plan_error(KW_EBUSY, "a plan was called from inside the call of a plan that reads the same weight "
+                                        "copies");
+    }
+    if (lock->owner && lock->forks != forks) { /* held at a fork by a thread this child does not have */
+        PyThread_type_lock fresh = PyThread_allocate_lock();
+        if (!fresh) {
+            Py_DECREF(lock);
+            return PyErr_NoMemory();
+        }
+        lock->lock = fresh; /* the one held for good is left as it is */
+        lock->owner = 0;
+    }
+    if (p->owner && p->forks != forks) { /* in a call on such a thread: its replay never ends here */
+        if (p->s) kw_plan_forget_replay(p->s->plan);
+        p->owner = 0;
+    }
+    if (!PyThread_acquire_lock(lock->lock, NOWAIT_LOCK)) {
         Py_BEGIN_ALLOW_THREADS /* another thread's call: wait for it to end */
-        PyThread_acquire_lock(p->lock, WAIT_LOCK);
+        PyThread_acquire_lock(lock->lock, WAIT_LOCK);
         Py_END_ALLOW_THREADS
     }
-    p->owner = me;
+    p->owner = lock->owner = me;
+    p->forks = lock->forks = forks;
+    held_call_locks++;
     PyObject *res = p->s ? call_locked(p, args, nargs) : kw__plan_error(KW_ESTATE, "the plan was cleared");
-    p->owner = 0;
-    PyThread_release_lock(p->lock);
+    held_call_locks--;
+    p->owner = lock->owner = 0;
+    PyThread_release_lock(lock->lock);
+    Py_DECREF(lock);
     return res;
 }
 
@@ -719,10 +769,9 @@ PyObject *kw__plan_new(kw_plan *plan, kw__program *prog, int n_threads) {
     }
     p->vectorcall = plan_call;
     p->s = s;
-    p->lock = PyThread_allocate_lock();
-    if (!p->lock) {
+    if (!(p->call_lock = PyObject_CallNoArgs((PyObject *)&kw__CallLockType))) {
         Py_DECREF(p);
-        return PyErr_NoMemory();
+        return NULL;
     }
     if (prepare(s)) {
         Py_DECREF(p);
@@ -756,9 +805,37 @@ static void plan_dealloc(PyObject *self) {
     Py_XDECREF(p->exc_type);
     Py_XDECREF(p->exc_value);
     Py_XDECREF(p->exc_tb);
-    if (p->lock) PyThread_free_lock(p->lock);
+    Py_XDECREF(p->call_lock);
     Py_TYPE(self)->tp_free(self);
 }
+
+/* ---- call locks ---------------------------------------------------------------------- */
+
+static PyObject *call_lock_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
+    if (PyTuple_GET_SIZE(args) || (kwargs && PyDict_GET_SIZE(kwargs)))
+        return PyErr_Format(PyExc_TypeError, "CallLock() takes no arguments");
+    CallLockObject *l = (CallLockObject *)type->tp_alloc(type, 0);
+    if (l && !(l->lock = PyThread_allocate_lock())) {
+        Py_DECREF(l);
+        return PyErr_NoMemory();
+    }
+    return (PyObject *)l;
+}
+
+static void call_lock_dealloc(PyObject *self) {
+    CallLockObject *l = (CallLockObject *)self;
+    if (l->lock) PyThread_free_lock(l->lock);
+    Py_TYPE(self)->tp_free(self);
+}
+
+PyTypeObject kw__CallLockType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kwker._C.CallLock",
+    .tp_doc = "What a plan holds for a whole call (Plan.call_lock); plans that read the same weight copies share one.",
+    .tp_basicsize = sizeof(CallLockObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = call_lock_new,
+    .tp_dealloc = call_lock_dealloc,
+};
 
 /* ---- introspection -------------------------------------------------------------------- */
 
@@ -937,7 +1014,29 @@ static PyMethodDef plan_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
+static PyObject *plan_get_call_lock(PyObject *self, void *closure) {
+    return Py_NewRef(((PlanObject *)self)->call_lock);
+}
+
+static int plan_set_call_lock(PyObject *self, PyObject *value, void *closure) {
+    PlanObject *p = (PlanObject *)self;
+    if (!value || !PyObject_TypeCheck(value, &kw__CallLockType)) {
+        PyErr_SetString(PyExc_TypeError, "a plan's call_lock must be a kwker._C.CallLock");
+        return -1;
+    }
+    if (p->owner) { /* a call in progress holds the old one: another thread would enter beside it */
+        kw__plan_error(KW_EBUSY, "a plan's call_lock cannot change during a call");
+        return -1;
+    }
+    Py_SETREF(p->call_lock, Py_NewRef(value));
+    return 0;
+}
+
 static PyGetSetDef plan_getset[] = {
+    {"call_lock", plan_get_call_lock, plan_set_call_lock,
+     "The CallLock held for a whole call: plans that read the same weight copies are given the same one. A\n"
+     "rebuilt plan's state, taken over, leaves it as it is.",
+     NULL},
     {"profiling", plan_get_profiling, plan_set_profiling,
      "Per-step timing on or off (setting it clears the counters). On, every step is followed by a barrier.", NULL},
     {"profile", plan_get_profile, NULL,

@@ -24,7 +24,7 @@ int kw__module_add_types(PyObject *module) {
     if (PyModule_AddStringConstant(module, "GUARD_DROPPED", KW__GUARD_DROPPED) < 0) return -1;
     if (PyType_Ready(&kw__MemoryType) < 0) return -1;
     return add_type(module, &kw__PlanBuilderType, "PlanBuilder") || add_type(module, &kw__PlanType, "Plan") ||
-                   add_type(module, &kw__WatchType, "Watch")
+                   add_type(module, &kw__CallLockType, "CallLock") || add_type(module, &kw__WatchType, "Watch")
                ? -1
                : 0;
 }

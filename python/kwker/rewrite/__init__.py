@@ -21,7 +21,7 @@ from kwker.rewrite.rms_norm import fuse_residual_add, fuse_rms_norm
 from kwker.rewrite.rotary import fuse_rotary
 from kwker.rewrite.gated import fuse_gated_activations
 from kwker.rewrite.gelu import fuse_tanh_gelu
-from kwker.weights import CopiedWeight, WeightArena
+from kwker.weights import PlanCopy, WeightArena
 
 __all__ = ["reserved_copy_bytes", "rewrite_language_model"]
 
@@ -40,15 +40,16 @@ def reserved_copy_bytes(gm: torch.fx.GraphModule, example_inputs) -> int:
 
 def rewrite_language_model(gm: torch.fx.GraphModule, params: dict[str, torch.Tensor] | None = None,
                            glue: bool = True,
-                           arena: WeightArena | None = None) -> tuple[dict[str, int], list[CopiedWeight]]:
+                           arena: WeightArena | None = None) -> tuple[dict[str, int], dict[str, PlanCopy]]:
     """glue=False keeps the model's own norms, rotary, tanh GELU and SiLU·mul as plain ops.
     params (placeholder name -> the real parameter) is given for a graph a plan
     will replay, whose linears then read kwker's weight copies where those read
     fewer bytes (kwker.weights), and whose bf16 convolutions float32 copies
-    where oneDNN has no bf16 convolution, cut from arena; the plan keeps them
-    fresh. Other graphs keep their linears (and experts' grouped matmuls) and
-    convolutions: nothing would keep a copy fresh there.
-    Returns how many places each pass changed, and the copies made."""
+    where oneDNN has no bf16 convolution, cut from arena (given with params);
+    the plan keeps them fresh. Other graphs keep their linears (and experts'
+    grouped matmuls) and convolutions: nothing would keep a copy fresh there.
+    Returns how many places each pass changed, and the copies read, by the
+    graph attribute that holds each."""
     counts = {"attention": fuse_attention(gm)}
     if glue:
         counts["rms_norm"] = fuse_rms_norm(gm)
@@ -58,12 +59,12 @@ def rewrite_language_model(gm: torch.fx.GraphModule, params: dict[str, torch.Ten
         counts["rotary"] = fuse_rotary(gm)
         counts["tanh_gelu"] = fuse_tanh_gelu(gm)  # before the gated activations, which may then take it
         counts.update(fuse_gated_activations(gm))
-    copies: list[CopiedWeight] = []
+    copies: dict[str, PlanCopy] = {}
     if params is not None:
-        counts["linear"], copies = rewrite_linears(gm, params, arena=arena)
-        counts["grouped_linear"], expert_copies = rewrite_experts(gm, params, arena=arena)
-        counts["float32_convolution"], convolution_copies = convolutions_in_float32(gm, params, arena=arena)
-        copies += expert_copies + convolution_copies
+        counts["linear"], copies = rewrite_linears(gm, params, arena)
+        counts["grouped_linear"], expert_copies = rewrite_experts(gm, params, arena)
+        counts["float32_convolution"], convolution_copies = convolutions_in_float32(gm, params, arena)
+        copies |= expert_copies | convolution_copies
     gm.graph.eliminate_dead_code()
     gm.graph.lint()
     gm.recompile()

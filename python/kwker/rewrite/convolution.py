@@ -33,14 +33,14 @@ def reserved_copy_bytes(gm: torch.fx.GraphModule, inputs: dict) -> int:
             continue
         if isinstance(inputs.get(w), torch.nn.Parameter) and weights.convolution_storage(inputs[w]) is not None:
             read.update({t: inputs[t] for t in (w, b) if isinstance(inputs.get(t), torch.nn.Parameter)})
-    return sum(weights.copy_nbytes([t], weights.convolution_storage(t)) for t in read.values())
+    return sum(weights.reserve_nbytes([t], weights.convolution_storage(t)) for t in read.values())
 
 
 def convolutions_in_float32(gm: torch.fx.GraphModule, params: dict[str, torch.Tensor],
-                            arena: weights.WeightArena | None = None) -> tuple[int, list[weights.CopiedWeight]]:
+                            arena: weights.WeightArena) -> tuple[int, dict[str, weights.PlanCopy]]:
     """params: placeholder name -> the real parameter tensor. Returns how many
-    convolutions were rewritten and the copies made (also graph attributes)."""
-    copies: list[weights.CopiedWeight] = []
+    convolutions were rewritten and the copies read (copy_node's)."""
+    copies: dict[str, weights.PlanCopy] = {}
     copied: dict[torch.fx.Node, torch.fx.Node] = {}  # a parameter -> its copy's node, one copy however many read it
     count = 0
     for node in list(gm.graph.nodes):
@@ -51,8 +51,9 @@ def convolutions_in_float32(gm: torch.fx.GraphModule, params: dict[str, torch.Te
         if val(x).dtype != torch.bfloat16 or native_convolution(node) is not None \
                 or any(t.op != "placeholder" or t.name not in params for t in sources):
             continue
-        storage = weights.convolution_storage(params[w.name]) if weights.may_copy(arena) else None
-        if storage is None or (b is not None and params[b.name].dtype != torch.bfloat16):
+        storage = weights.convolution_storage(params[w.name])
+        if storage is None or (b is not None and params[b.name].dtype != torch.bfloat16) \
+                or not arena.admit([([t.name], storage) for t in sources], params):
             continue
         graph = gm.graph
         with graph.inserting_before(node):

@@ -42,15 +42,15 @@ def reserved_copy_bytes(gm: torch.fx.GraphModule, inputs: dict) -> int:
         if isinstance(wt, torch.fx.Node) and wt.op == "call_method" and wt.target == "transpose" \
                 and isinstance(inputs.get(wt.args[0]), torch.Tensor) and inputs[wt.args[0]].dim() == 3:
             read[wt.args[0]] = inputs[wt.args[0]]
-    return sum(weights.copy_nbytes([w], weights.decide_experts(w)) for w in read.values())
+    return sum(weights.reserve_nbytes([w], weights.decide_experts(w)) for w in read.values())
 
 
 def rewrite_experts(gm: torch.fx.GraphModule, params: dict[str, torch.Tensor],
-                    arena: weights.WeightArena | None = None) -> tuple[int, list[weights.CopiedWeight]]:
+                    arena: weights.WeightArena) -> tuple[int, dict[str, weights.PlanCopy]]:
     """params: placeholder name -> the real parameter tensor. Returns how many
-    grouped matmuls were rewritten and the copies made."""
+    grouped matmuls were rewritten and the copies read (copy_node's)."""
     targets = _grouped_mm_targets()
-    copies: list[weights.CopiedWeight] = []
+    copies: dict[str, weights.PlanCopy] = {}
     copied: dict[str, torch.fx.Node] = {}  # a weight read by several calls is copied once
     count = 0
     for node in list(gm.graph.nodes):
@@ -63,7 +63,9 @@ def rewrite_experts(gm: torch.fx.GraphModule, params: dict[str, torch.Tensor],
         if not (w.op == "placeholder" and w.name in params and val(w).dim() == 3 and val(x).dim() == 2
                 and val(x).dtype == val(w).dtype):
             continue
-        storage = weights.decide_experts(params[w.name]) if weights.may_copy(arena) else None
+        storage = weights.decide_experts(params[w.name])
+        if storage is not None and not arena.admit([([w.name], storage)], params):
+            storage = None
         rows = -(-weights.rows_per_call(val(x)) // val(w).shape[0])  # an expert's rows, on average
         if storage is None and weights.by_matmul(val(x).dtype, rows):
             continue  # PyTorch's grouped matmul, oneDNN's per expert: faster from these rows (as for a linear)

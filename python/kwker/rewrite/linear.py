@@ -44,21 +44,32 @@ def reserved_copy_bytes(gm: torch.fx.GraphModule, inputs: dict) -> int:
 
 
 def rewrite_linears(gm: torch.fx.GraphModule, params: dict[str, torch.Tensor],
-                    arena: weights.WeightArena | None = None) -> tuple[int, list[weights.CopiedWeight]]:
+                    arena: weights.WeightArena) -> tuple[int, dict[str, weights.PlanCopy]]:
     """params: placeholder name -> the real parameter tensor; arena: where the
-    copies go. Returns how many linears were rewritten and the copies made
-    (also graph attributes)."""
+    copies go. Returns how many linears were rewritten and the copies read, by
+    the graph attribute that holds each."""
     linears = [m for m in (_match_linear(n, params) for n in gm.graph.nodes) if m]
-    copies: list[weights.CopiedWeight] = []
+    copies: dict[str, weights.PlanCopy] = {}
     for group in _group_by_input(linears):
         storage = weights.decide([params[m.weight.name] for m in group], weights.rows_per_call(val(group[0].x)),
-                                 kn=group[0].kn) if weights.may_copy(arena) else None
-        if storage is None:
+                                 kn=group[0].kn)
+        read = _copies_read(group, params, storage) if storage is not None else []
+        if read and arena.admit([([s.name for s in sources], st) for sources, st in read], params):
+            _rewrite_group(gm, group, read, params, arena, copies)
+        else:
             for m in group:
                 _rewrite_single_as_stored(gm.graph, m)
-        else:
-            _rewrite_group(gm, group, params, storage, arena, copies)
     return len(linears), copies
+
+
+def _copies_read(group: list["_Linear"], params, storage: weights.Storage) -> list[tuple[list, weights.Storage]]:
+    """The copies a group of linears reads in this storage, (sources, storage)
+    each: of its weights, and of its biases, stacked, where it has several."""
+    read = [([m.weight for m in group], storage)]
+    if group[0].bias is not None and len(group) > 1:
+        biases = [m.bias for m in group]
+        read.append((biases, weights.bias_storage([params[b.name] for b in biases])))
+    return read
 
 
 def _rewrite_single_as_stored(graph, m: "_Linear") -> None:
@@ -128,15 +139,13 @@ def _calls(group: list) -> list[list]:
     return [group[a:b] for a, b in zip(starts, starts[1:])]
 
 
-def _rewrite_group(gm, group: list[_Linear], params, storage: weights.Storage, arena, copies) -> None:
+def _rewrite_group(gm, group: list[_Linear], read, params, arena, copies) -> None:
+    """read: the group's copies (_copies_read)."""
     graph = gm.graph
     first = group[0].node
     with graph.inserting_before(first):
-        w_node = copy_node(gm, [m.weight for m in group], params, storage, arena, copies)
-        bias = group[0].bias
-        if bias is not None and len(group) > 1:
-            biases = [m.bias for m in group]
-            bias = copy_node(gm, biases, params, weights.bias_storage([params[b.name] for b in biases]), arena, copies)
+        w_node, *stacked_bias = [copy_node(gm, sources, params, storage, arena, copies) for sources, storage in read]
+        bias = stacked_bias[0] if stacked_bias else group[0].bias
         if len(group) == 1:
             new = graph.call_function(ops.linear.default, (group[0].x, w_node, bias))
             new.meta["val"] = val(first)
@@ -152,25 +161,26 @@ def _rewrite_group(gm, group: list[_Linear], params, storage: weights.Storage, a
                 m.node.replace_all_uses_with(item)
 
 
-def copy_node(gm, sources: list[torch.fx.Node], params, storage: weights.Storage, arena, copies) -> torch.fx.Node:
+def copy_node(gm, sources: list[torch.fx.Node], params, storage: weights.Storage, arena,
+              copies: dict[str, weights.PlanCopy]) -> torch.fx.Node:
     """A get_attr of the sources' copy (also kwker.rewrite.experts' and
     .convolution's), made once however many calls read it (one linear applied
-    to two inputs). Its fake value is the copy as the op reads it, the sources
-    stacked along their first dim ([N, K] for linears); a K-blocked copy's real
-    layout is in its CopiedWeight."""
+    to two inputs), or shared with other plans (weights.make_copy). Its fake
+    value is the copy as the op reads it, the sources stacked along their first
+    dim ([N, K] for linears); a K-blocked copy's real layout is in its
+    CopiedWeight."""
     names = [s.name for s in sources]
-    made = next((c for c in copies if c.sources == names and c.storage == storage), None)
-    if made is None:
-        # named by all its sources, the same in every plan of the graph (a kept copy keeps its
-        # name), apart from one that starts with the same source (q's alone and stacked with k, v)
-        # or holds the same sources another way (a weight read as [K, N] and as [N, K])
+    attr = next((a for a, c in copies.items() if c.sources == names and c.weight.storage == storage), None)
+    if attr is None:
+        # named by all its sources, apart from one that starts with the same source (q's alone
+        # and stacked with k, v) or holds the same sources another way (a weight read as [K, N]
+        # and as [N, K])
         base = "kwker_copy_of_" + "_".join(names)
         attr = next(a for a in itertools.chain([base], (f"{base}_{i}" for i in itertools.count(1)))
                     if not hasattr(gm, a))
-        made = weights.make_copy(attr, names, [params[n] for n in names], storage, arena)
-        copies.append(made)
-        gm.register_buffer(attr, made.copy)
-    node = gm.graph.get_attr(made.attr)
+        copies[attr] = weights.PlanCopy(names, weights.make_copy([params[n] for n in names], storage, arena))
+        gm.register_buffer(attr, copies[attr].weight.copy)
+    node = gm.graph.get_attr(attr)
     with val(sources[0]).fake_mode:  # made fresh: converting the real tensor took 1-4 ms each
         as_read = weights.copy_shape([val(s) for s in sources], replace(storage, block=0))
         node.meta["val"] = torch.empty(as_read, dtype=storage.dtype)
