@@ -13,6 +13,7 @@ starts, before kwker is imported, so kwker can only say so.
 
 import logging
 import os
+import sys
 import threading
 import weakref
 
@@ -44,12 +45,18 @@ class ForkSafeLock:
 _fork_safe_locks: "weakref.WeakSet[ForkSafeLock]" = weakref.WeakSet()
 
 
-def _free_locks_in_child():
+def _after_fork_in_child():
     for lock in list(_fork_safe_locks):
         lock._lock = threading.Lock()
+    # Inductor forgets its compile process pool in a child but not its thread pool, whose threads
+    # the child does not have: a graph compiled there (kwker's tuning, after a recompile for the
+    # child's thread count) waited for ever on a kernel's future (torch 2.13).
+    async_compile = sys.modules.get("torch._inductor.async_compile")
+    if async_compile is not None:
+        async_compile.AsyncCompile.pool.cache_clear()
 
 
-os.register_at_fork(after_in_child=_free_locks_in_child)
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 SPIN_VARIABLES = ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY", "KMP_BLOCKTIME")
 

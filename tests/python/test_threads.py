@@ -80,3 +80,23 @@ def test_a_fork_safe_lock_held_by_another_thread_at_a_fork_is_free_in_the_child(
     assert os.waitstatus_to_exitcode(status) == 0
     with lock:  # the parent's lock was released by the thread that held it
         pass
+
+
+def test_a_forked_child_gets_a_thread_pool_of_its_own_for_inductors_compiles(monkeypatch):
+    """Inductor's compile thread pool, made in the parent, has no threads in a
+    child: a graph compiled there (after a recompile for the child's thread
+    count, kwker's tuning compiling Inductor's candidate) waited for ever on a
+    kernel's future."""
+    import signal
+
+    from torch._inductor import config
+    from torch._inductor.async_compile import AsyncCompile
+
+    monkeypatch.setattr(config, "compile_threads", 2)
+    assert AsyncCompile.pool().submit(int, 1).result() == 1
+    pid = os.fork()
+    if pid == 0:
+        signal.alarm(20)  # the pool's threads missing: the child ends by the alarm, not 0
+        os._exit(0 if AsyncCompile.pool().submit(int, 1).result(timeout=15) == 1 else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
