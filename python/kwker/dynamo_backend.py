@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from kwker import _C, choices, guards, summary
+from kwker import choices, guards, summary
 from kwker.bounds import IndicesChecked, index_inputs
 from kwker.aten_graph import trace_to_aten
 from kwker.decode import compile_decode_step
@@ -95,14 +95,9 @@ def tune_inference(gm: torch.fx.GraphModule, example_inputs, opts: KwkerOptions)
     the candidate then kept is built alone (kwker.choices)."""
     key = choices.key("inference", gm, example_inputs, opts)
     plan_detail = {}
-    # The plan's own CallLock, shared with no plan built before: the tuner calls it inside Dynamo's
-    # compile lock, and a lock shared with plans that other threads call could be held by one whose
-    # refresh compiles again, waiting on that compile lock (kwker.weights._shared).
-    family = _C.CallLock()
-
     def build_plan(**traced_and_reserved):
-        try:
-            plan, detail = compile_plan(gm, example_inputs, opts.glue, family=family, **traced_and_reserved)
+        try:  # its copies its own (WeightArena's shares): the tuner calls it inside Dynamo's compile lock
+            plan, detail = compile_plan(gm, example_inputs, opts.glue, shares=False, **traced_and_reserved)
         except NotLowerable:
             raise
         except Exception:  # a bug of kwker's, which the tuning would only name among the candidates left out
@@ -121,7 +116,7 @@ def tune_inference(gm: torch.fx.GraphModule, example_inputs, opts: KwkerOptions)
         return "inductor", compile_with_inductor(gm, example_inputs, opts), {"why": why_not}
     unfit, arena = unfit_for_kernels(gm, example_inputs), None
     try:
-        arena = None if unfit else reserve_weights(gm, example_inputs, family)  # faults in while Inductor compiles
+        arena = None if unfit else reserve_weights(gm, example_inputs, shares=False)  # faults in while Inductor compiles
     except Exception as e:  # a bug of kwker's: the plan is left out, the other candidates timed
         log.warning("kwker: reserving its plan's weight copies failed; the other candidates are timed", exc_info=True)
         unfit = f"reserving its weight copies failed ({type(e).__name__}: {e})"

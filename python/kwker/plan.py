@@ -33,23 +33,26 @@ log = logging.getLogger(__name__)
 Classify = Callable[[torch.fx.GraphModule, list], str | None]
 
 
-def reserve_weights(gm: torch.fx.GraphModule, example_inputs, family=None) -> WeightArena:
+def reserve_weights(gm: torch.fx.GraphModule, example_inputs, family=None, shares: bool = True) -> WeightArena:
     """The memory a plan of gm copies weights into, reserved now so that it
     faults in while the caller goes on (traces gm, compiles other candidates).
-    family: the plan's CallLock, where the caller decides it (WeightArena)."""
-    return WeightArena(reserved_copy_bytes(gm, example_inputs), family)
+    family, shares: whose copies the plan may read, and who may read its
+    (WeightArena). The reservation leaves out copies other plans share, which
+    a plan that shares none then makes in memory of their own (weight_empty)."""
+    return WeightArena(reserved_copy_bytes(gm, example_inputs), family, shares)
 
 
 def compile_plan(gm: torch.fx.GraphModule, example_inputs, glue: bool = True, classify: Classify | None = None,
-                 aten_gm: torch.fx.GraphModule | None = None, arena: WeightArena | None = None, family=None):
+                 aten_gm: torch.fx.GraphModule | None = None, arena: WeightArena | None = None, family=None,
+                 shares: bool = True):
     """The plan for gm with these inputs, every size a Python int, and what
     compiling it did (rewrite counts, fallback ops, copies). Raises NotLowerable
     with classify's reason, or when the lowering cannot express gm. aten_gm:
     gm's ATen trace, when the caller has made it already (it is rewritten),
     and arena: reserve_weights's, when the caller reserved it before (GPT-2 at
     batch 8 in float32: each weight's watch waited 25 ms on the pages still
-    faulting in, 0.65 s of a 1.1 s build). family: as reserve_weights's."""
-    arena = arena if arena is not None else reserve_weights(gm, example_inputs, family)  # faults in while gm is traced
+    faulting in, 0.65 s of a 1.1 s build). family, shares: as reserve_weights's."""
+    arena = arena if arena is not None else reserve_weights(gm, example_inputs, family, shares)  # faults in meanwhile
     try:
         aten_gm = aten_gm if aten_gm is not None else trace_to_aten(gm, example_inputs)
         why_not = classify(aten_gm, example_inputs) if classify else None
@@ -73,7 +76,7 @@ def compile_plan(gm: torch.fx.GraphModule, example_inputs, glue: bool = True, cl
         plan.call_lock = arena.family
     if copies or scalars:
         refresh = _Refresh(CopiedWeights(list(copies.values()), {name: i for i, name in enumerate(placeholders)}),
-                           scalars, gm, glue, classify, plan.call_lock)
+                           scalars, gm, glue, classify, plan.call_lock, arena.shares)
         plan.watch(refresh.sources, refresh)
     detail = {"rewrites": {k: v for k, v in counts.items() if v}, "fallback_ops": report.fallback_ops,
               "copies": len(copies), "copies_refused": arena.refused}
@@ -155,9 +158,9 @@ class _Refresh:
     and makes again only what changed."""
 
     def __init__(self, copied: CopiedWeights, scalars: list[tuple[int, float]], gm: torch.fx.GraphModule,
-                 glue: bool, classify: Classify | None, family):
+                 glue: bool, classify: Classify | None, family, shares: bool):
         self.copied, self.scalars, self.gm, self.glue, self.classify = copied, scalars, gm, glue, classify
-        self.family = family
+        self.family, self.shares = family, shares
         self.sources = copied.watched() + scalars
 
     def __call__(self, args):
@@ -170,7 +173,7 @@ class _Refresh:
             return None
         log.info("plan: %s; compiling the graph again",
                  "a weight can no longer be copied the same way" if same_values else "a float input changed")
-        plan, _ = compile_plan(self.gm, list(args), self.glue, self.classify, family=self.family)
+        plan, _ = compile_plan(self.gm, list(args), self.glue, self.classify, family=self.family, shares=self.shares)
         return plan
 
     def _check_source(self, i: int, watch, now) -> None:

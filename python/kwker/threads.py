@@ -30,15 +30,17 @@ class ForkSafeLock:
 
     def __init__(self):
         self._lock = self._held = threading.Lock()
+        self._owner = None  # the thread holding it
         _fork_safe_locks.add(self)
 
     def __enter__(self):
         lock = self._lock
         lock.acquire()
-        self._held = lock  # the one to release: a child's fresh lock is not it
+        self._held, self._owner = lock, threading.get_ident()  # the one to release: a child's fresh lock is not it
         return self
 
     def __exit__(self, *exc):
+        self._owner = None
         self._held.release()
 
 
@@ -46,8 +48,10 @@ _fork_safe_locks: "weakref.WeakSet[ForkSafeLock]" = weakref.WeakSet()
 
 
 def _after_fork_in_child():
+    forker = threading.get_ident()  # the child's only thread, still inside what it holds
     for lock in list(_fork_safe_locks):
-        lock._lock = threading.Lock()
+        if lock._owner != forker:
+            lock._lock = threading.Lock()
     # Inductor forgets its compile process pool in a child but not its thread pool, whose threads
     # the child does not have: a graph compiled there (kwker's tuning, after a recompile for the
     # child's thread count) waited for ever on a kernel's future (torch 2.13).

@@ -226,18 +226,21 @@ class WeightArena:
     its bytes at every token.
 
     family: the CallLock of the plan the copies are for. Given (a plan rebuilt
-    keeps its own; the tuner's plans get their own, kwker.dynamo_backend), only
-    copies of that family are shared; else that of the first copy it shares
-    with other plans (_shared), or a new one at its first copy."""
+    keeps its own), only copies of that family are shared; else that of the
+    first copy it shares with other plans (_shared), or a new one at its first
+    copy. shares=False: none is shared either way, and its copies are no other
+    plan's (the tuner's: timed inside Dynamo's compile lock, which a plan
+    compiled again inside its call waits for while it holds its CallLock, its
+    plan must hold a lock no other plan can hold, kwker.dynamo_backend)."""
 
-    def __init__(self, nbytes: int, family=None):
+    def __init__(self, nbytes: int, family=None, shares: bool = True):
         self.budget = max(memory_for_copies(), 0)
         self.admitted: set = set()  # the keys (_shared_key) of the copies admitted
         self.taken = self.refused = 0  # bytes of copies admitted, and refused
         nbytes = min(nbytes, self.budget)
         self.memory = _C.weight_reserve(nbytes) if nbytes else None
         self.capacity, self.used = nbytes, 0
-        self.family = family
+        self.family, self.shares = family, shares
         self._scratch = torch.empty(0)
 
     def admit(self, copies: list[tuple[list[str], Storage]], params: dict[str, torch.Tensor]) -> bool:
@@ -247,30 +250,36 @@ class WeightArena:
         two calls read), and one that other plans read and this one can share
         (shared) not at all. A shared copy whose sources were written since is
         made again (make_copy), so it counts."""
-        new = {}
+        new, family = {}, self.family
         for names, storage in copies:
             tensors = [params[n] for n in names]
             key = _shared_key(tensors, storage)
-            if key in self.admitted or self.shared(key, tensors) is not None:
-                continue
-            new[key] = copy_nbytes(tensors, storage)
+            same = self._shareable(key, tensors, family)
+            if same is not None:
+                family = same.family
+            elif key not in self.admitted:
+                new[key] = copy_nbytes(tensors, storage)
         nbytes = sum(new.values())
         if self.taken + nbytes > self.budget:
             self.refused += nbytes
             return False
         self.admitted.update(new)
         self.taken += nbytes
+        self.family = family  # what make_copy then shares, admitted with the group
         return True
 
     def shared(self, key: tuple, tensors: list[torch.Tensor]) -> "CopiedWeight | None":
         """The copy other plans read of these sources made this way, where its
         sources are unchanged since and it is of this plan's family (the first
         found decides it)."""
-        same = _fresh_shared(key, tensors)
-        if same is None or (self.family is not None and same.family is not self.family):
-            return None
-        self.family = same.family
+        same = self._shareable(key, tensors, self.family)
+        if same is not None:
+            self.family = same.family
         return same
+
+    def _shareable(self, key: tuple, tensors: list[torch.Tensor], family) -> "CopiedWeight | None":
+        same = _fresh_shared(key, tensors) if self.shares else None
+        return same if same is not None and (family is None or same.family is family) else None
 
     def empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
         count = math.prod(shape)
@@ -522,5 +531,7 @@ def make_copy(tensors: list[torch.Tensor], storage: Storage, arena: WeightArena)
     fill_copy(copy, tensors, storage, arena.scratch(copy.numel(), storage.dtype) if storage.block else None)
     if arena.family is None:
         arena.family = _C.CallLock()
-    made = _shared[key] = CopiedWeight(storage, copy, arena.family, watches)
+    made = CopiedWeight(storage, copy, arena.family, watches)
+    if arena.shares:
+        _shared[key] = made
     return made

@@ -279,6 +279,35 @@ def test_a_refresh_that_fails_or_returns_junk_raises_and_the_plan_recovers():
         plan.watch([(1, source)], lambda args: None)
 
 
+def test_children_forked_while_another_thread_waits_for_the_plan_can_call_it():
+    """A thread waiting for a plan's lock is handed it as the call before
+    releases it, before it has the GIL back to say it holds it; that call's
+    thread then forks: the child saw the lock held by no one, yet held for
+    good, and its call hung (4 children of 4, a review's reproducer)."""
+    plan, w = small_linear_plan()
+    x, stop = torch.randn(2, 4), threading.Event()
+
+    def call_again():
+        while not stop.is_set():
+            plan(x)
+
+    thread = threading.Thread(target=call_again)
+    thread.start()
+    statuses = []
+    try:
+        for _ in range(4):
+            plan(x)
+            pid = os.fork()
+            if pid == 0:
+                signal.alarm(20)
+                os._exit(0 if torch.allclose(plan(x)[0], x @ w.T, atol=1e-5) else 1)
+            statuses.append(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+    finally:
+        stop.set()
+        thread.join()
+    assert statuses == [0] * 4
+
+
 @pytest.mark.parametrize("shared", [True, False])
 def test_plans_given_one_call_lock_take_turns(shared):
     """Plans that read the same weight copies are given one CallLock

@@ -216,7 +216,7 @@ def test_the_graphs_of_one_model_read_one_copy_of_each_weight_whatever_memory_is
     closed, reserved = [], []
     close, reserve = weights.WeightArena.close, weights.WeightArena.__init__
     monkeypatch.setattr(weights.WeightArena, "close", lambda arena: (closed.append(arena), close(arena))[1])
-    monkeypatch.setattr(weights.WeightArena, "__init__", lambda arena, n, family=None: (reserved.append(n), reserve(arena, n, family))[1])
+    monkeypatch.setattr(weights.WeightArena, "__init__", lambda arena, n, *args: (reserved.append(n), reserve(arena, n, *args))[1])
     monkeypatch.setattr(weights, "memory_for_copies", lambda: 0 if closed else 1 << 40)
 
     def chunked(config=None):  # the prompt in chunks of 4 tokens, then one a step: plans for two sizes
@@ -337,6 +337,9 @@ def test_a_plan_compiled_again_inside_its_call_while_another_graph_is_tuned_over
         t.join(120)
     assert not any(t.is_alive() for t in threads), "deadlocked"
     assert b_locks and all(lock is not a.call_lock for lock in b_locks)
+    # nor is the tuner's lock any later plan's (one built while the tuner timed its plan could wait likewise)
+    later, _ = compile_plan(torch.fx.symbolic_trace(shifted), [x, w])
+    assert all(lock is not later.call_lock for lock in b_locks)
     torch.testing.assert_close(results["a"], scaled(x, w, 2.5), rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(results["b"], shifted(x, w), rtol=1e-4, atol=1e-4)
 

@@ -100,3 +100,25 @@ def test_a_forked_child_gets_a_thread_pool_of_its_own_for_inductors_compiles(mon
         os._exit(0 if AsyncCompile.pool().submit(int, 1).result(timeout=15) == 1 else 1)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_a_fork_safe_lock_held_by_the_forking_thread_stays_its_own_in_the_child():
+    """The thread that forks inside a lock goes on inside it in the child: a
+    fresh lock there let another thread in beside it, and its exit released the
+    other's lock (a review's reproducer)."""
+    import signal
+    import threading
+
+    lock = ForkSafeLock()
+    with lock:
+        pid = os.fork()
+        if pid == 0:
+            signal.alarm(20)
+            entered = []
+            other = threading.Thread(target=lambda: lock._lock.acquire(timeout=0.5) or entered.append("waited"))
+            other.start()
+            other.join()
+    if pid == 0:
+        os._exit(0 if entered == ["waited"] else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0

@@ -73,7 +73,7 @@ typedef struct {
     PyObject_HEAD
     PyThread_type_lock lock;
     unsigned long owner; /* the thread holding it, 0 when none (read and written with the GIL) */
-    unsigned long forks; /* `forks` when it was taken */
+    unsigned long forks; /* `forks` when it was made or last taken */
 } CallLockObject;
 
 typedef struct PlanObject {
@@ -84,7 +84,7 @@ typedef struct PlanObject {
     kw__state *s;
     PyObject *call_lock;     /* a CallLock, held for a whole call; the plan's own, whatever state it adopts */
     unsigned long owner;     /* the thread inside a call, 0 when none (read and written with the GIL) */
-    unsigned long forks;     /* `forks` when the call began */
+    unsigned long forks;     /* `forks` when the plan was made or its last call began */
     PyObject *const *args;   /* this call's arguments */
     PyObject *exc_type, *exc_value, *exc_tb; /* a fallback's exception */
     int64_t timing_ns[5];    /* the last call: sources, inputs, outputs, replay, whole call */
@@ -101,20 +101,34 @@ int kw__replaying(void) { return replaying != NULL; }
 #define MAX_POOL 1024
 static kw_pool *pools[MAX_POOL + 1];
 
-/* The forks this process's line has seen since kwker's first pool: a child
- * has only the forking thread, so a CallLock another thread held at the fork
- * (a generate() thread beside a forking DataLoader) is held there for good. */
-static unsigned long forks;
-static int held_call_locks; /* changed with the GIL held */
+/* The forks this process's line has seen since kwker's first pool, and in a
+ * child the thread that forked: the only one it has. A CallLock another thread
+ * held at the fork (a generate() thread beside a forking DataLoader) is held
+ * there for good. */
+static unsigned long forks, forker;
+/* Refreshes in progress (copies being packed again), counted with the GIL
+ * held; in a child, those of its parent's threads stay counted: a later fork
+ * then has every copy packed again too, which is never wrong. */
+static int refreshing;
 
-/* In a child: its parent's pools' threads are not there to run, and a call in
- * progress on another thread at the fork may have been packing a weight copy
- * again (a refresh): every copy is packed again before it is read. */
+/* In a child: its parent's pools' threads are not there to run, and a refresh
+ * in progress on another thread at the fork may have left a copy half packed:
+ * then every copy is packed again before it is read (with PyTorch's ops: in a
+ * child of a parent whose OpenMP threads ran, those hang unless the child runs
+ * one thread, as DataLoader's workers do). */
 static void after_fork_in_child(void) {
     memset(pools, 0, sizeof pools);
     forks++;
-    if (held_call_locks) kw_watch_invalidate_all();
-    held_call_locks = 0;
+    forker = PyThread_get_thread_ident();
+    if (refreshing) kw_watch_invalidate_all();
+}
+
+/* A lock or a plan stamped (its `forks`) before the last fork belongs, unless
+ * the forking thread holds it, to a thread this child lacks, or to none yet (a
+ * lock handed to a waiting thread that had not taken the GIL back to say so),
+ * and is taken afresh. */
+static int from_before_fork(unsigned long stamp, unsigned long owner) {
+    return stamp != forks && !(owner && owner == forker);
 }
 
 /* Called with the GIL held, which is what makes the table safe. Every plan
@@ -359,7 +373,9 @@ static int written_since_armed(const kw__state *s, PyObject *const *args, const 
 static int refresh_once(PlanObject *p, PyObject *const *args, Py_ssize_t nargs) {
     kw__state *s = p->s;
     PyObject *tuple = args_tuple(args, nargs);
+    refreshing++;
     PyObject *r = tuple ? PyObject_CallOneArg(s->refresh, tuple) : NULL;
+    refreshing--;
     Py_XDECREF(tuple);
     if (!r) return -1;
     if (PyObject_TypeCheck(r, &kw__PlanType)) {
@@ -595,6 +611,19 @@ static PyObject *plan_call(PyObject *self, PyObject *const *args, size_t nargsf,
         return PyErr_Format(PyExc_TypeError, "the plan takes %d positional arguments (%zd given%s)",
                             p->s->prog->n_args, nargs, kwnames && PyTuple_GET_SIZE(kwnames) ? ", and keywords" : "");
     const unsigned long me = PyThread_get_thread_ident();
+    CallLockObject *held = (CallLockObject *)p->call_lock;
+    if (from_before_fork(held->forks, held->owner)) { /* first: the dead thread's id may be a new thread's */
+        PyThread_type_lock fresh = PyThread_allocate_lock();
+        if (!fresh) return PyErr_NoMemory();
+        held->lock = fresh; /* the one perhaps held for good is left as it is */
+        held->owner = 0;
+        held->forks = forks;
+    }
+    if (from_before_fork(p->forks, p->owner)) { /* a call on such a thread: its replay never ends here */
+        if (p->owner && p->s) kw_plan_forget_replay(p->s->plan);
+        p->owner = 0;
+        p->forks = forks;
+    }
     if (p->owner == me || replaying)
         return kw__plan_error(KW_EBUSY, p->owner == me ? "the plan was called from inside its own call (a fallback "
                                                          "or its refresh)"
@@ -605,19 +634,6 @@ static PyObject *plan_call(PyObject *self, PyObject *const *args, size_t nargsf,
         return kw__plan_error(KW_EBUSY, "a plan was called from inside the call of a plan that reads the same weight "
                                         "copies");
     }
-    if (lock->owner && lock->forks != forks) { /* held at a fork by a thread this child does not have */
-        PyThread_type_lock fresh = PyThread_allocate_lock();
-        if (!fresh) {
-            Py_DECREF(lock);
-            return PyErr_NoMemory();
-        }
-        lock->lock = fresh; /* the one held for good is left as it is */
-        lock->owner = 0;
-    }
-    if (p->owner && p->forks != forks) { /* in a call on such a thread: its replay never ends here */
-        if (p->s) kw_plan_forget_replay(p->s->plan);
-        p->owner = 0;
-    }
     if (!PyThread_acquire_lock(lock->lock, NOWAIT_LOCK)) {
         Py_BEGIN_ALLOW_THREADS /* another thread's call: wait for it to end */
         PyThread_acquire_lock(lock->lock, WAIT_LOCK);
@@ -625,9 +641,7 @@ static PyObject *plan_call(PyObject *self, PyObject *const *args, size_t nargsf,
     }
     p->owner = lock->owner = me;
     p->forks = lock->forks = forks;
-    held_call_locks++;
     PyObject *res = p->s ? call_locked(p, args, nargs) : kw__plan_error(KW_ESTATE, "the plan was cleared");
-    held_call_locks--;
     p->owner = lock->owner = 0;
     PyThread_release_lock(lock->lock);
     Py_DECREF(lock);
@@ -769,6 +783,7 @@ PyObject *kw__plan_new(kw_plan *plan, kw__program *prog, int n_threads) {
     }
     p->vectorcall = plan_call;
     p->s = s;
+    p->forks = forks;
     if (!(p->call_lock = PyObject_CallNoArgs((PyObject *)&kw__CallLockType))) {
         Py_DECREF(p);
         return NULL;
@@ -819,6 +834,7 @@ static PyObject *call_lock_new(PyTypeObject *type, PyObject *args, PyObject *kwa
         Py_DECREF(l);
         return PyErr_NoMemory();
     }
+    if (l) l->forks = forks;
     return (PyObject *)l;
 }
 
