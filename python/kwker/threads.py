@@ -51,7 +51,7 @@ def _after_fork_in_child():
     forker = threading.get_ident()  # the child's only thread, still inside what it holds
     for lock in list(_fork_safe_locks):
         if lock._owner != forker:
-            lock._lock = threading.Lock()
+            lock._lock, lock._owner = threading.Lock(), None
     # Inductor forgets its compile process pool in a child but not its thread pool, whose threads
     # the child does not have: a graph compiled there (kwker's tuning, after a recompile for the
     # child's thread count) waited for ever on a kernel's future (torch 2.13).

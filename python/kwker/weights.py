@@ -228,10 +228,11 @@ class WeightArena:
     family: the CallLock of the plan the copies are for. Given (a plan rebuilt
     keeps its own), only copies of that family are shared; else that of the
     first copy it shares with other plans (_shared), or a new one at its first
-    copy. shares=False: none is shared either way, and its copies are no other
-    plan's (the tuner's: timed inside Dynamo's compile lock, which a plan
-    compiled again inside its call waits for while it holds its CallLock, its
-    plan must hold a lock no other plan can hold, kwker.dynamo_backend)."""
+    copy. shares=False: the plan shares no copy, and no other plan shares its
+    copies. That is the tuner's plan (kwker.dynamo_backend): the tuner calls it
+    inside Dynamo's compile lock, and a plan compiled again inside its call
+    holds its CallLock while it waits for that compile lock, so the tuner's
+    plan must hold a lock no other plan can hold."""
 
     def __init__(self, nbytes: int, family=None, shares: bool = True):
         self.budget = max(memory_for_copies(), 0)

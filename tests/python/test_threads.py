@@ -89,10 +89,11 @@ def test_a_forked_child_gets_a_thread_pool_of_its_own_for_inductors_compiles(mon
     kernel's future."""
     import signal
 
-    from torch._inductor import config
+    from torch._inductor import async_compile
     from torch._inductor.async_compile import AsyncCompile
 
-    monkeypatch.setattr(config, "compile_threads", 2)
+    # config.compile_threads is assigned lazily: patched and put back, it was gone for later compiles
+    monkeypatch.setattr(async_compile, "get_compile_threads", lambda: 2)
     assert AsyncCompile.pool().submit(int, 1).result() == 1
     pid = os.fork()
     if pid == 0:
