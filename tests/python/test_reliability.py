@@ -232,7 +232,7 @@ def test_the_graphs_of_one_model_read_one_copy_of_each_weight_whatever_memory_is
     assert reserved[0] >= closed[0].taken and not any(reserved[1:])  # no memory faulted in for copies shared
     assert all(g.copies == summary.graphs()[0].copies for g in summary.graphs()), kwker.report()
     assert len({a.family for a in closed}) == 1  # one lock for the plans that share copies
-    plans = [p for p in (g.plan() for g in summary.graphs()) if isinstance(p, kwker._C.Plan)]
+    plans = [p for p in (g.plan() for g in summary.graphs()) if isinstance(p, _C.Plan)]
     assert plans and all(p.call_lock is closed[0].family for p in plans), kwker.report()
 
 
