@@ -95,9 +95,10 @@ def tune_inference(gm: torch.fx.GraphModule, example_inputs, opts: KwkerOptions)
     the candidate then kept is built alone (kwker.choices)."""
     key = choices.key("inference", gm, example_inputs, opts)
     plan_detail = {}
-    def build_plan(**traced_and_reserved):
+    def build_plan(aten_gm=None, arena=None):
         try:  # its copies its own (WeightArena's shares): the tuner calls it inside Dynamo's compile lock
-            plan, detail = compile_plan(gm, example_inputs, opts.glue, shares=False, **traced_and_reserved)
+            arena = arena if arena is not None else reserve_weights(gm, example_inputs, shares=False)
+            plan, detail = compile_plan(gm, example_inputs, opts.glue, aten_gm=aten_gm, arena=arena)
         except NotLowerable:
             raise
         except Exception:  # a bug of kwker's, which the tuning would only name among the candidates left out

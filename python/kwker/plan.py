@@ -21,7 +21,7 @@ from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from kwker import _C
 from kwker.aten_graph import trace_to_aten
 from kwker.lower import NotLowerable, lower_to_plan, storage_key
-from kwker.rewrite import reserved_copy_bytes, rewrite_language_model
+from kwker.rewrite import planned_copies, rewrite_language_model
 from kwker.rewrite.match import op_arguments, written_arguments
 from kwker.routing import dynamo_input_names
 from kwker.weights import CopiedWeights, WeightArena
@@ -37,22 +37,21 @@ def reserve_weights(gm: torch.fx.GraphModule, example_inputs, family=None, share
     """The memory a plan of gm copies weights into, reserved now so that it
     faults in while the caller goes on (traces gm, compiles other candidates).
     family, shares: whose copies the plan may read, and who may read its
-    (WeightArena). The reservation leaves out copies other plans share, which
-    a plan that shares none then makes in memory of their own (weight_empty)."""
-    return WeightArena(reserved_copy_bytes(gm, example_inputs), family, shares)
+    (WeightArena). The reservation leaves out copies the plan will share."""
+    return WeightArena(planned_copies(gm, example_inputs), family, shares)
 
 
 def compile_plan(gm: torch.fx.GraphModule, example_inputs, glue: bool = True, classify: Classify | None = None,
-                 aten_gm: torch.fx.GraphModule | None = None, arena: WeightArena | None = None, family=None,
-                 shares: bool = True):
+                 aten_gm: torch.fx.GraphModule | None = None, arena: WeightArena | None = None):
     """The plan for gm with these inputs, every size a Python int, and what
     compiling it did (rewrite counts, fallback ops, copies). Raises NotLowerable
     with classify's reason, or when the lowering cannot express gm. aten_gm:
     gm's ATen trace, when the caller has made it already (it is rewritten),
     and arena: reserve_weights's, when the caller reserved it before (GPT-2 at
     batch 8 in float32: each weight's watch waited 25 ms on the pages still
-    faulting in, 0.65 s of a 1.1 s build). family, shares: as reserve_weights's."""
-    arena = arena if arena is not None else reserve_weights(gm, example_inputs, family, shares)  # faults in meanwhile
+    faulting in, 0.65 s of a 1.1 s build), or to say whose copies the plan
+    shares; by default one that shares with every plan (WeightArena)."""
+    arena = arena if arena is not None else reserve_weights(gm, example_inputs)  # faults in meanwhile
     try:
         aten_gm = aten_gm if aten_gm is not None else trace_to_aten(gm, example_inputs)
         why_not = classify(aten_gm, example_inputs) if classify else None
@@ -68,7 +67,7 @@ def compile_plan(gm: torch.fx.GraphModule, example_inputs, glue: bool = True, cl
         # A parameter the graph writes is read as it is: a copy would go stale within the call that writes it.
         params = {name: t for i, (name, t) in enumerate(zip(placeholders, example_inputs))
                   if isinstance(t, torch.nn.Parameter) and i not in written}
-        counts, copies = rewrite_language_model(aten_gm, params, glue=glue, arena=arena)
+        counts, copies = rewrite_language_model(aten_gm, glue=glue, copy_into=(params, arena))
     finally:
         arena.close()
     plan, report = lower_to_plan(aten_gm, example_inputs, copies, dynamo_input_names(gm), written)
@@ -173,7 +172,8 @@ class _Refresh:
             return None
         log.info("plan: %s; compiling the graph again",
                  "a weight can no longer be copied the same way" if same_values else "a float input changed")
-        plan, _ = compile_plan(self.gm, list(args), self.glue, self.classify, family=self.family, shares=self.shares)
+        arena = reserve_weights(self.gm, list(args), self.family, self.shares)
+        plan, _ = compile_plan(self.gm, list(args), self.glue, self.classify, arena=arena)
         return plan
 
     def _check_source(self, i: int, watch, now) -> None:

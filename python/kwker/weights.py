@@ -36,6 +36,7 @@ lower.py asks the kernel to back weights read as stored with huge pages, in
 place (contents unchanged).
 """
 
+import functools
 import logging
 import math
 import re
@@ -178,18 +179,15 @@ def convolution_storage(weight: torch.Tensor) -> Storage | None:
     return None
 
 
-def bias_storage(biases: list[torch.Tensor]) -> Storage:
-    """Biases of a stacked group: stacked, as stored."""
-    return Storage(biases[0].dtype, 0)
-
-
-def copy_bytes(weights: list[torch.Tensor], biases: list[torch.Tensor], rows: int, kn: bool = False) -> int:
-    """What decide() will copy for a group, for the memory reserved up front."""
-    storage = decide(weights, rows, kn)
-    if storage is None:
-        return 0
-    stacked_biases = reserve_nbytes(biases, bias_storage(biases)) if len(weights) > 1 and biases else 0
-    return reserve_nbytes(weights, storage) + stacked_biases
+def group_copies(weights: list, biases: list, storage: Storage, dtype_of=lambda t: t.dtype) -> list[tuple[list, Storage]]:
+    """The copies a group of linears reads, its weights in storage (decide's),
+    (sources, storage) each: its weights, and its biases where it has several,
+    stacked, as stored. weights, biases: tensors, or the graph's nodes of them
+    (dtype_of says a bias's dtype)."""
+    read = [(weights, storage)]
+    if biases and len(weights) > 1:
+        read.append((biases, Storage(dtype_of(biases[0]), 0)))
+    return read
 
 
 def copy_nbytes(sources: list[torch.Tensor], storage: Storage | None) -> int:
@@ -234,15 +232,25 @@ class WeightArena:
     holds its CallLock while it waits for that compile lock, so the tuner's
     plan must hold a lock no other plan can hold."""
 
-    def __init__(self, nbytes: int, family=None, shares: bool = True):
-        self.budget = max(memory_for_copies(), 0)
+    def __init__(self, planned: list[tuple[list[torch.Tensor], Storage]], family=None, shares: bool = True):
+        """planned: the copies the rewrites will ask for, (sources, storage)
+        each (kwker.rewrite.planned_copies); the memory of those this plan
+        would make, not share, is reserved."""
+        self.family, self.shares = family, shares
         self.admitted: set = set()  # the keys (_shared_key) of the copies admitted
         self.taken = self.refused = 0  # bytes of copies admitted, and refused
-        nbytes = min(nbytes, self.budget)
+        nbytes = sum(self._to_make(planned)[0].values())
+        nbytes = min(nbytes, self.budget) if nbytes else 0
         self.memory = _C.weight_reserve(nbytes) if nbytes else None
         self.capacity, self.used = nbytes, 0
-        self.family, self.shares = family, shares
         self._scratch = torch.empty(0)
+
+    @functools.cached_property
+    def budget(self) -> int:
+        """memory_for_copies, read when a copy is first reserved or admitted:
+        a plan that copies nothing (a graph without weights, each new size of
+        a model's steps that shares its copies) reads no file for it."""
+        return max(memory_for_copies(), 0)
 
     def admit(self, copies: list[tuple[list[str], Storage]], params: dict[str, torch.Tensor]) -> bool:
         """Whether a group's copies ((source names, storage) each, all or none)
@@ -251,15 +259,7 @@ class WeightArena:
         two calls read), and one that other plans read and this one can share
         (shared) not at all. A shared copy whose sources were written since is
         made again (make_copy), so it counts."""
-        new, family = {}, self.family
-        for names, storage in copies:
-            tensors = [params[n] for n in names]
-            key = _shared_key(tensors, storage)
-            same = self._shareable(key, tensors, family)
-            if same is not None:
-                family = same.family
-            elif key not in self.admitted:
-                new[key] = copy_nbytes(tensors, storage)
+        new, family = self._to_make([([params[n] for n in names], storage) for names, storage in copies])
         nbytes = sum(new.values())
         if self.taken + nbytes > self.budget:
             self.refused += nbytes
@@ -268,6 +268,20 @@ class WeightArena:
         self.taken += nbytes
         self.family = family  # what make_copy then shares, admitted with the group
         return True
+
+    def _to_make(self, copies: list[tuple[list[torch.Tensor], Storage]]) -> tuple[dict[tuple, int], object]:
+        """Of these copies, those this plan would make, by key (_shared_key)
+        with their bytes: neither admitted before nor to be shared; and the
+        family of those to be shared."""
+        new, family = {}, self.family
+        for tensors, storage in copies:
+            key = _shared_key(tensors, storage)
+            same = self._shareable(key, tensors, family)
+            if same is not None:
+                family = same.family
+            elif key not in self.admitted:
+                new[key] = copy_nbytes(tensors, storage)
+        return new, family
 
     def shared(self, key: tuple, tensors: list[torch.Tensor]) -> "CopiedWeight | None":
         """The copy other plans read of these sources made this way, where its
@@ -507,16 +521,6 @@ def _shared_key(tensors: list[torch.Tensor], storage: Storage) -> tuple:
 def _fresh_shared(key: tuple, tensors: list[torch.Tensor]) -> CopiedWeight | None:
     same = _shared.get(key)
     return same if same is not None and all(w.matches(t) for w, t in zip(same.watches, tensors)) else None
-
-
-def reserve_nbytes(sources: list[torch.Tensor], storage: Storage | None) -> int:
-    """What a copy of the sources in this storage (None: no copy) will take
-    from a WeightArena: nothing where plans read a fresh one already
-    (make_copy): the memory reserved faults in, and a second graph of a model
-    would fault in its copies' size only to hand it back."""
-    if storage is None or _fresh_shared(_shared_key(sources, storage), sources) is not None:
-        return 0
-    return copy_nbytes(sources, storage)
 
 
 def make_copy(tensors: list[torch.Tensor], storage: Storage, arena: WeightArena) -> CopiedWeight:

@@ -163,9 +163,11 @@ def test_weight_memory_is_zeroed_writable_and_lives_as_long_as_its_tensor():
 
 
 def test_a_weight_arena_cuts_zeroed_copies_while_faulting_in_and_keeps_them_after_close():
-    from kwker.weights import WeightArena
+    from kwker.weights import Storage, WeightArena
 
-    arena = WeightArena(100 << 20)  # over the size a thread faults in
+    planned = [([torch.zeros(1).expand(25 << 20)], Storage(torch.float32, 0))]  # 100 MiB, none of its own
+    arena = WeightArena(planned)  # over the size a thread faults in
+    assert arena.capacity == (100 << 20) + 64
     a = arena.empty((1000, 3), torch.float32)
     b = arena.empty((4000, 4096), torch.bfloat16)  # 32 MiB
     assert a.data_ptr() % 64 == 0 and b.data_ptr() % 64 == 0 and b.data_ptr() >= a.data_ptr() + a.nbytes
@@ -225,18 +227,18 @@ def reserved_and_copied(module, *args):
     rewrite then cuts from that reservation: (reserved, used, copies), after
     checking that every copy lies inside it."""
     from kwker.aten_graph import trace_to_aten
-    from kwker.rewrite import reserved_copy_bytes, rewrite_language_model
+    from kwker.rewrite import planned_copies, rewrite_language_model
     from kwker.weights import WeightArena
 
     seen = []
 
     def capture(gm, example_inputs):
-        reserved = reserved_copy_bytes(gm, example_inputs)
+        arena = WeightArena(planned_copies(gm, example_inputs))
+        reserved = arena.capacity
         aten_gm = trace_to_aten(gm, example_inputs)
         names = [n.name for n in aten_gm.graph.nodes if n.op == "placeholder"]
         params = {n: t for n, t in zip(names, example_inputs) if isinstance(t, torch.nn.Parameter)}
-        arena = WeightArena(reserved)
-        _, copies = rewrite_language_model(aten_gm, params, arena=arena)
+        _, copies = rewrite_language_model(aten_gm, copy_into=(params, arena))
         seen.append((reserved, arena.used, copies, arena))
         return gm
 

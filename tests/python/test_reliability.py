@@ -213,10 +213,9 @@ def test_the_graphs_of_one_model_read_one_copy_of_each_weight_whatever_memory_is
     take memory that the next plans' budget then lacks; the copies they share,
     unchanged, cost them nothing more, and they read them."""
     model = small_model("llama")  # bf16-valued: every linear's weight would be a copy
-    closed, reserved = [], []
-    close, reserve = weights.WeightArena.close, weights.WeightArena.__init__
+    closed = []
+    close = weights.WeightArena.close
     monkeypatch.setattr(weights.WeightArena, "close", lambda arena: (closed.append(arena), close(arena))[1])
-    monkeypatch.setattr(weights.WeightArena, "__init__", lambda arena, n, *args: (reserved.append(n), reserve(arena, n, *args))[1])
     monkeypatch.setattr(weights, "memory_for_copies", lambda: 0 if closed else 1 << 40)
 
     def chunked(config=None):  # the prompt in chunks of 4 tokens, then one a step: plans for two sizes
@@ -229,7 +228,7 @@ def test_the_graphs_of_one_model_read_one_copy_of_each_weight_whatever_memory_is
                           compile_config=config).tolist() == greedy(model)  # another length: a dynamic graph
     assert kinds() == ["decode-replay"] * 4 and len(closed) == 4, kwker.report()
     assert closed[0].taken > 0 and all(a.budget == 0 and not a.refused and not a.admitted for a in closed[1:])
-    assert reserved[0] >= closed[0].taken and not any(reserved[1:])  # no memory faulted in for copies shared
+    assert closed[0].capacity >= closed[0].taken and not any(a.capacity for a in closed[1:])  # none faulted in for copies shared
     assert all(g.copies == summary.graphs()[0].copies for g in summary.graphs()), kwker.report()
     assert len({a.family for a in closed}) == 1  # one lock for the plans that share copies
     plans = [p for p in (g.plan() for g in summary.graphs()) if isinstance(p, _C.Plan)]
@@ -254,6 +253,24 @@ def _two_graphs_over_one_attention(*shapes):
     plans = [compile_plan(torch.fx.symbolic_trace(f), [torch.randn(n, 256), *ws])[0]
              for f, n in zip((first, second), shapes)]
     return plans, (first, second), ws
+
+
+def test_a_plan_that_shares_no_copies_reserves_the_memory_of_every_copy_it_makes():
+    """The tuner's plan (shares=False) makes every copy itself, those other
+    plans share too: its reservation left those out, and it made them in
+    memory of its own, faulted in on the calling thread (a review's finding).
+    A plan that shares reserves only what is not shared yet."""
+    from kwker.plan import reserve_weights
+
+    (a, _), (first, _), ws = _two_graphs_over_one_attention(2, 2)
+    gm, inputs = torch.fx.symbolic_trace(first), [torch.randn(2, 256), *ws]
+    stacked = weights.copy_nbytes(ws[:3], weights.Storage(torch.bfloat16, _C.linear_block(256)))
+    own = reserve_weights(gm, inputs, shares=False)
+    assert own.capacity == stacked + weights.copy_nbytes(ws[3:], weights.Storage(torch.bfloat16, 0))
+    assert reserve_weights(gm, inputs).capacity == 0
+    with torch.no_grad():
+        ws[3][0, 0] = 0.5  # bf16-valued still; o's copy stale: made again
+    assert reserve_weights(gm, inputs).capacity == own.capacity - stacked
 
 
 def test_a_weight_swapped_by_one_graphs_plan_and_back_is_read_right_by_the_others():

@@ -18,9 +18,9 @@ from kwker.rewrite.match import (TORCH_CONVOLUTIONS, TORCH_TRANSPOSED_CONVOLUTIO
                                  native_convolution, val)
 
 
-def reserved_copy_bytes(gm: torch.fx.GraphModule, inputs: dict) -> int:
-    """What convolutions_in_float32 will copy, read off Dynamo's graph (inputs:
-    its placeholders' example values, kwker.rewrite.reserved_copy_bytes): the
+def planned_copies(gm: torch.fx.GraphModule, inputs: dict) -> list[tuple[list[torch.Tensor], weights.Storage]]:
+    """The copies convolutions_in_float32 will ask for, read off Dynamo's graph
+    (inputs: its placeholders' example values, kwker.rewrite.planned_copies): the
     float32 copies of a bf16 convolution's weight and bias, once each. The
     convolutions kwker runs itself are told apart only on the ATen graph: theirs
     stays unused, at the arena's end, which its close() hands back."""
@@ -33,7 +33,7 @@ def reserved_copy_bytes(gm: torch.fx.GraphModule, inputs: dict) -> int:
             continue
         if isinstance(inputs.get(w), torch.nn.Parameter) and weights.convolution_storage(inputs[w]) is not None:
             read.update({t: inputs[t] for t in (w, b) if isinstance(inputs.get(t), torch.nn.Parameter)})
-    return sum(weights.reserve_nbytes([t], weights.convolution_storage(t)) for t in read.values())
+    return [([t], storage) for t in read.values() if (storage := weights.convolution_storage(t)) is not None]
 
 
 def convolutions_in_float32(gm: torch.fx.GraphModule, params: dict[str, torch.Tensor],

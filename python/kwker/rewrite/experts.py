@@ -30,9 +30,9 @@ def _grouped_mm_targets() -> tuple:
     return tuple(targets)
 
 
-def reserved_copy_bytes(gm: torch.fx.GraphModule, inputs: dict) -> int:
-    """What rewrite_experts will copy, read off Dynamo's graph (inputs: its
-    placeholders' example values, kwker.rewrite.reserved_copy_bytes): the
+def planned_copies(gm: torch.fx.GraphModule, inputs: dict) -> list[tuple[list[torch.Tensor], weights.Storage]]:
+    """The copies rewrite_experts will ask for, read off Dynamo's graph (inputs:
+    its placeholders' example values, kwker.rewrite.planned_copies): the
     weights a grouped matmul reads transposed, once each. Mixtral-8x2-small's
     experts are 604 MB of bf16 copies."""
     targets = (torch._grouped_mm, *(t.overloadpacket for t in _grouped_mm_targets()[1:]))
@@ -42,7 +42,7 @@ def reserved_copy_bytes(gm: torch.fx.GraphModule, inputs: dict) -> int:
         if isinstance(wt, torch.fx.Node) and wt.op == "call_method" and wt.target == "transpose" \
                 and isinstance(inputs.get(wt.args[0]), torch.Tensor) and inputs[wt.args[0]].dim() == 3:
             read[wt.args[0]] = inputs[wt.args[0]]
-    return sum(weights.reserve_nbytes([w], weights.decide_experts(w)) for w in read.values())
+    return [([w], storage) for w in read.values() if (storage := weights.decide_experts(w)) is not None]
 
 
 def rewrite_experts(gm: torch.fx.GraphModule, params: dict[str, torch.Tensor],

@@ -18,10 +18,10 @@ from kwker.custom_ops import LINEAR_MULTI_OUTPUTS, ops
 from kwker.rewrite.match import aten, is_call, val
 
 
-def reserved_copy_bytes(gm: torch.fx.GraphModule, inputs: dict) -> int:
-    """What rewrite_linears will copy, read off Dynamo's graph (weights.copy_bytes
-    on the same groups; inputs: its placeholders' example values,
-    kwker.rewrite.reserved_copy_bytes)."""
+def planned_copies(gm: torch.fx.GraphModule, inputs: dict) -> list[tuple[list[torch.Tensor], weights.Storage]]:
+    """The copies rewrite_linears will ask for, read off Dynamo's graph (the
+    same groups, decided alike; inputs: its placeholders' example values,
+    kwker.rewrite.planned_copies)."""
     groups: dict = {}
     for n in gm.graph.nodes:
         if n.op != "call_function":
@@ -34,13 +34,15 @@ def reserved_copy_bytes(gm: torch.fx.GraphModule, inputs: dict) -> int:
             continue
         if isinstance(inputs.get(w), torch.Tensor):
             groups.setdefault((x, inputs[w].dtype, bias is None, kn), []).append((inputs[w], inputs.get(bias)))
-    total = 0
+    planned = []
     for (x, _, _, kn), group in groups.items():
         rows = weights.rows_per_call(x.meta["example_value"]) if "example_value" in x.meta else 1
         for members in _calls(group):
-            total += weights.copy_bytes([w for w, _ in members],
-                                        [b for _, b in members if isinstance(b, torch.Tensor)], rows, kn)
-    return total
+            ws = [w for w, _ in members]
+            storage = weights.decide(ws, rows, kn)
+            if storage is not None:
+                planned += weights.group_copies(ws, [b for _, b in members if isinstance(b, torch.Tensor)], storage)
+    return planned
 
 
 def rewrite_linears(gm: torch.fx.GraphModule, params: dict[str, torch.Tensor],
@@ -53,23 +55,15 @@ def rewrite_linears(gm: torch.fx.GraphModule, params: dict[str, torch.Tensor],
     for group in _group_by_input(linears):
         storage = weights.decide([params[m.weight.name] for m in group], weights.rows_per_call(val(group[0].x)),
                                  kn=group[0].kn)
-        read = _copies_read(group, params, storage) if storage is not None else []
+        biases = [m.bias for m in group] if group[0].bias is not None else []
+        read = weights.group_copies([m.weight for m in group], biases, storage, lambda b: val(b).dtype) \
+            if storage is not None else []
         if read and arena.admit([([s.name for s in sources], st) for sources, st in read], params):
             _rewrite_group(gm, group, read, params, arena, copies)
         else:
             for m in group:
                 _rewrite_single_as_stored(gm.graph, m)
     return len(linears), copies
-
-
-def _copies_read(group: list["_Linear"], params, storage: weights.Storage) -> list[tuple[list, weights.Storage]]:
-    """The copies a group of linears reads in this storage, (sources, storage)
-    each: of its weights, and of its biases, stacked, where it has several."""
-    read = [([m.weight for m in group], storage)]
-    if group[0].bias is not None and len(group) > 1:
-        biases = [m.bias for m in group]
-        read.append((biases, weights.bias_storage([params[b.name] for b in biases])))
-    return read
 
 
 def _rewrite_single_as_stored(graph, m: "_Linear") -> None:
@@ -140,7 +134,7 @@ def _calls(group: list) -> list[list]:
 
 
 def _rewrite_group(gm, group: list[_Linear], read, params, arena, copies) -> None:
-    """read: the group's copies (_copies_read)."""
+    """read: the group's copies (weights.group_copies)."""
     graph = gm.graph
     first = group[0].node
     with graph.inserting_before(first):
