@@ -453,6 +453,7 @@ class CopiedWeight:
         moved = [w.moved(t) for w, t in zip(self.watches, tensors)]
         if any(moved) and shared_with_other_processes([t for m, t in zip(moved, tensors) if m]):
             return False
+        was = _shared_key([w.tensor for w in self.watches], self.storage) if any(moved) else None
         try:
             for i, t in enumerate(tensors):
                 if moved[i]:  # the old watch reports changed to the plans that still check it: they look again
@@ -465,6 +466,11 @@ class CopiedWeight:
             for w in self.watches:
                 w.invalidate()
             raise
+        if was is not None and _shared.get(was) is self:  # shared under the memory it read: now under what it reads
+            del _shared[was]
+            now = _shared_key(tensors, self.storage)
+            if _fresh_shared(now, tensors) is None:
+                _shared[now] = self
         return True
 
 

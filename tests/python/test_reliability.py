@@ -273,6 +273,20 @@ def test_a_plan_that_shares_no_copies_reserves_the_memory_of_every_copy_it_makes
     assert reserve_weights(gm, inputs).capacity == own.capacity - stacked
 
 
+def test_a_copy_packed_from_a_weight_moved_is_shared_under_its_new_memory():
+    """p.data = other: the plan that sees it packs the shared copy from the new
+    memory, and a plan built after reads that copy; before, the copy stayed
+    registered under the old memory, and every later plan made its own."""
+    from kwker.plan import reserve_weights
+
+    (a, _), (first, _), ws = _two_graphs_over_one_attention(2, 2)
+    x = torch.randn(2, 256)
+    ws[3].data = ws[3].detach().clone()
+    torch.testing.assert_close(a(x, *ws)[0], first(x, *ws), rtol=1e-4, atol=1e-3)
+    gm, inputs = torch.fx.symbolic_trace(first), [torch.randn(2, 256), *ws]
+    assert reserve_weights(gm, inputs).capacity == 0
+
+
 def test_a_weight_swapped_by_one_graphs_plan_and_back_is_read_right_by_the_others():
     """p.data = other, called through one plan (which watches the new memory
     and packs the shared copy from it), then p.data back: the other plan still
