@@ -532,11 +532,16 @@ def _fresh_shared(key: tuple, tensors: list[torch.Tensor]) -> CopiedWeight | Non
 def make_copy(tensors: list[torch.Tensor], storage: Storage, arena: WeightArena) -> CopiedWeight:
     """Watches the sources, then copies them: a write in between is seen. A
     copy other plans read of the same sources, made the same way and still
-    fresh, is returned instead (WeightArena.shared)."""
+    fresh, is returned instead (WeightArena.shared). One admitted as shared
+    that went stale since (a thread wrote a source meanwhile) is made, and
+    counted then."""
     key = _shared_key(tensors, storage)
     same = arena.shared(key, tensors)
     if same is not None:
         return same
+    if key not in arena.admitted:
+        arena.admitted.add(key)
+        arena.taken += copy_nbytes(tensors, storage)
     watches = [_C.Watch(t) for t in tensors]
     copy = arena.empty(copy_shape(tensors, storage), storage.dtype)
     fill_copy(copy, tensors, storage, arena.scratch(copy.numel(), storage.dtype) if storage.block else None)

@@ -273,6 +273,24 @@ def test_a_plan_that_shares_no_copies_reserves_the_memory_of_every_copy_it_makes
     assert reserve_weights(gm, inputs).capacity == own.capacity - stacked
 
 
+def test_a_copy_admitted_as_shared_and_made_after_a_write_is_counted():
+    """admit() found o's copy shared and fresh, so it cost nothing; a write
+    (another thread's) then made it stale, and make_copy made it again,
+    uncounted: past the memory budget, and missing from what the plan took."""
+    from kwker.plan import reserve_weights
+
+    (a, _), (first, _), ws = _two_graphs_over_one_attention(2, 2)
+    arena = reserve_weights(torch.fx.symbolic_trace(first), [torch.randn(2, 256), *ws])
+    storage = weights.Storage(torch.bfloat16, 0)
+    assert arena.admit([(["o"], storage)], {"o": ws[3]}) and arena.taken == 0
+    shared = weights._shared[weights._shared_key([ws[3]], storage)]
+    with torch.no_grad():
+        ws[3][0, 0] = 0.5
+    made = weights.make_copy([ws[3]], storage, arena)
+    assert made is not shared and arena.taken == weights.copy_nbytes([ws[3]], storage)
+    arena.close()
+
+
 def test_a_copy_packed_from_a_weight_moved_is_shared_under_its_new_memory():
     """p.data = other: the plan that sees it packs the shared copy from the new
     memory, and a plan built after reads that copy; before, the copy stayed
