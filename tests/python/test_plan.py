@@ -2,8 +2,10 @@
 checked on every call, outputs the caller holds are never overwritten, fallbacks
 run Python steps between native ones."""
 
+import gc
 import os
 import signal
+import sys
 import threading
 import time
 
@@ -382,23 +384,31 @@ def test_a_child_forked_while_another_thread_is_inside_a_call_can_call_the_plan(
     """fork copies only the forking thread: a plan's lock that another thread
     held at the fork (a DataLoader forking beside a generate() thread) was
     held in the child for good, and its first call of the plan hung there
-    (eager and Inductor ran)."""
-    inside, leave = threading.Event(), threading.Event()
+    (eager and Inductor ran). The outputs that call made are freed in the
+    child (they were held until the process ended)."""
+    inside, leave, output = threading.Event(), threading.Event(), {}
 
     def wait_on_one(reads, writes):
         if reads[0][0] == 1:  # the parent's thread: stay inside the call until the fork is made
+            output["address"] = writes[0].data_ptr()
             inside.set()
             leave.wait(30)
         writes[0].copy_(reads[0] + 1)
+
+    def refs_to_its_output():  # the interrupted call's output, which its fallback holds too (writes)
+        (t,) = [t for t in gc.get_objects() if isinstance(t, torch.Tensor) and t.data_ptr() == output["address"]]
+        return sys.getrefcount(t)
 
     plan = fallback_plan(wait_on_one)
     thread = threading.Thread(target=lambda: plan(torch.ones(4)))
     thread.start()
     assert inside.wait(30)
     pid = os.fork()
-    if pid == 0:  # the child: exit 0 only if the call returns, and right
+    if pid == 0:  # the child: exit 0 only if the call returns, right, and the interrupted call's output is freed
         signal.alarm(20)
-        os._exit(0 if plan(torch.zeros(4))[0].tolist() == [1.0] * 4 else 1)
+        before = refs_to_its_output()
+        right = plan(torch.zeros(4))[0].tolist() == [1.0] * 4
+        os._exit(0 if right and refs_to_its_output() == before - 1 else 1)
     leave.set()
     thread.join()
     _, status = os.waitpid(pid, 0)

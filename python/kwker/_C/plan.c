@@ -620,7 +620,10 @@ static PyObject *plan_call(PyObject *self, PyObject *const *args, size_t nargsf,
         held->forks = forks;
     }
     if (from_before_fork(p->forks, p->owner)) { /* a call on such a thread: its replay never ends here */
-        if (p->owner && p->s) kw_plan_forget_replay(p->s->plan);
+        if (p->owner && p->s) { /* and the outputs it made, which it would have returned */
+            kw_plan_forget_replay(p->s->plan);
+            drop_fresh(p->s);
+        }
         p->owner = 0;
         p->forks = forks;
     }
