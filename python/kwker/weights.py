@@ -39,7 +39,9 @@ place (contents unchanged).
 import functools
 import logging
 import math
+import os
 import re
+import warnings
 import weakref
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -317,10 +319,12 @@ class WeightArena:
         self._scratch = torch.empty(0)
         if self.refused:
             global _warned_memory
+            left = "KWKER_COPY_MEMORY less the copies made before" if copy_memory_setting() is not None else \
+                "what is available less what the process may still need; KWKER_COPY_MEMORY sets it"
             (log.info if _warned_memory else log.warning)(
-                "kwker: %s of the graph's weight copies would not fit in the memory left for them (%s: what is "
-                "available less what the process may still need); %s were made, and the weights of the rest are read "
-                "as stored", size(self.refused), size(self.budget), size(self.taken))
+                "kwker: %s of the graph's weight copies would not fit in the memory left for them (%s: %s); %s were "
+                "made, and the weights of the rest are read as stored", size(self.refused), size(self.budget), left,
+                size(self.taken))
             _warned_memory = True
 
 
@@ -332,7 +336,8 @@ def size(nbytes: int) -> str:
 
 
 def memory_for_copies() -> int:
-    """The bytes kwker's weight copies may take: the memory available to this
+    """The bytes kwker's weight copies may take now: KWKER_COPY_MEMORY's, less
+    the copies alive (copy_memory_setting); where it is not set, the memory available to this
     process (Linux's MemAvailable, or its memory cgroup's limit less its use
     where that is less: a container's) less what the rest of the process may
     still need (Inductor's compile, activations, a cache): an eighth of its
@@ -340,6 +345,9 @@ def memory_for_copies() -> int:
     are about 65 % of its linear weights: Llama-3-8B's 16 GB would take about
     9 more (by its shapes), past a 24 GB machine's memory, and the kernel's
     OOM killer would end the process. Unbounded where nothing says."""
+    setting = copy_memory_setting()
+    if setting is not None:
+        return setting - sum(c.copy.nbytes for c in _alive)
     total, available = 1 << 62, 1 << 62
     try:
         with open("/proc/meminfo") as f:
@@ -350,6 +358,30 @@ def memory_for_copies() -> int:
     for limit, used in _cgroup_memory():
         total, available = min(total, limit), min(available, limit - used)
     return available - min(max(2 << 30, total // 8), 8 << 30)
+
+
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+_warned_setting: set = set()
+
+
+def copy_memory_setting() -> int | None:
+    """KWKER_COPY_MEMORY: the most memory kwker's weight copies may take in
+    this process, in bytes or with a unit (K, M, G, T of 1024, with or without
+    iB or B; `3G`, `1.5GiB`), `0` for none. It is taken as given, in place of
+    the estimate of the memory left: a user who knows better may allow more
+    copies (each halves the bytes a bf16-valued float32 weight reads at every
+    token) or fewer. None where it is unset, or not understood (warned once)."""
+    value = os.environ.get("KWKER_COPY_MEMORY")
+    if value is None:
+        return None
+    found = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([kmgt]?)(?:i?b)?\s*", value, re.IGNORECASE)
+    if found and (found[2] or "." not in found[1]):
+        return int(float(found[1]) * _UNITS[found[2].lower()])
+    if value not in _warned_setting:
+        _warned_setting.add(value)
+        warnings.warn(f"kwker: KWKER_COPY_MEMORY={value!r} is not a size (bytes, or a number with K, M, G or T: "
+                      "'3G', '1.5GiB', '0'); the memory left is estimated instead", UserWarning, stacklevel=2)
+    return None
 
 
 def _cgroup_memory(cgroups: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> list[tuple[int, int]]:
@@ -515,6 +547,7 @@ class CopiedWeights:
 # CallLock: whichever first sees a source written packs the copy again, in place,
 # and the others must not replay it meanwhile.
 _shared: "weakref.WeakValueDictionary[tuple, CopiedWeight]" = weakref.WeakValueDictionary()
+_alive: "weakref.WeakSet[CopiedWeight]" = weakref.WeakSet()  # every copy a plan reads: KWKER_COPY_MEMORY's use
 
 
 def _shared_key(tensors: list[torch.Tensor], storage: Storage) -> tuple:
@@ -548,6 +581,7 @@ def make_copy(tensors: list[torch.Tensor], storage: Storage, arena: WeightArena)
     if arena.family is None:
         arena.family = _C.CallLock()
     made = CopiedWeight(storage, copy, arena.family, watches)
+    _alive.add(made)
     if arena.shares:
         _shared[key] = made
     return made

@@ -4,6 +4,7 @@ model, change dtypes, run out of cache — gives eager's tokens, or hands the
 graph to Inductor with the reason, or raises what eager raises."""
 
 import functools
+import gc
 import mmap
 import os
 import threading
@@ -414,6 +415,46 @@ def test_the_memory_for_copies_is_a_cgroups_where_it_has_a_limit(version, tmp_pa
     assert weights._cgroup_memory(str(cgroups), str(tmp_path / "sys")) == [(3 << 30, 2 << 30)]
     cgroups.write_bytes(b"0::/a/b\xff\n" if version == 2 else b"4:memory:/a/b\xff\n")  # a name not UTF-8
     assert weights._cgroup_memory(str(cgroups), str(tmp_path / "sys")) == [(3 << 30, 2 << 30)]
+
+
+def test_kwker_copy_memory_bounds_the_copies_of_all_plans_together_in_place_of_the_estimate(monkeypatch):
+    """KWKER_COPY_MEMORY is taken as given: copies are made where the estimate
+    of the memory left has no room (a cgroup full here), and the copies alive,
+    of every plan, count against it; `0` makes none."""
+    import torch.nn.functional as F
+
+    from kwker.plan import compile_plan
+
+    def attention(x, q, k, v):
+        return F.linear(x, q) + F.linear(x, k) + F.linear(x, v)
+
+    def plan_over_new_weights():
+        ws = [torch.nn.Parameter(torch.randn(64, 64).bfloat16().float(), requires_grad=False) for _ in range(3)]
+        x = torch.randn(2, 64)
+        plan, detail = compile_plan(torch.fx.symbolic_trace(attention), [x, *ws])
+        torch.testing.assert_close(plan(x, *ws)[0], attention(x, *ws), rtol=1e-4, atol=1e-4)
+        return plan, detail
+
+    monkeypatch.setattr(weights, "_cgroup_memory", lambda: [(1 << 30, 1 << 30)])  # no memory left, by the estimate
+    assert weights.memory_for_copies() < 0 and plan_over_new_weights()[1]["copies"] == 0
+    one = 3 * 64 * 64 * 2  # a plan's copy: q, k, v stacked in bf16
+    monkeypatch.setenv("KWKER_COPY_MEMORY", f"{one + 96}")  # a copy takes 64 bytes more from a budget: its alignment
+    first, detail = plan_over_new_weights()
+    assert detail["copies"] == 1 and not detail["copies_refused"]
+    assert weights.memory_for_copies() == 96
+    _, detail = plan_over_new_weights()  # the first plan's copy takes the room
+    assert detail["copies"] == 0 and detail["copies_refused"] == one + 64
+    del first
+    gc.collect()
+    assert plan_over_new_weights()[1]["copies"] == 1
+    monkeypatch.setenv("KWKER_COPY_MEMORY", "0")
+    assert plan_over_new_weights()[1]["copies"] == 0
+    monkeypatch.setenv("KWKER_COPY_MEMORY", "3 gigs")
+    with pytest.warns(UserWarning, match=r"KWKER_COPY_MEMORY='3 gigs' is not a size"):
+        assert weights.copy_memory_setting() is None
+    for value, nbytes in (("3G", 3 << 30), ("1.5GiB", 3 << 29), ("512 mb", 512 << 20), ("4096", 4096)):
+        monkeypatch.setenv("KWKER_COPY_MEMORY", value)
+        assert weights.copy_memory_setting() == nbytes
 
 
 def test_a_mapped_file_whose_name_is_not_utf8_leaves_the_shared_memory_check_working(tmp_path):
