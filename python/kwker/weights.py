@@ -263,7 +263,7 @@ class WeightArena:
         made again (make_copy), so it counts."""
         new, family = self._to_make([([params[n] for n in names], storage) for names, storage in copies])
         nbytes = sum(new.values())
-        if self.taken + nbytes > self.budget:
+        if nbytes and self.taken + nbytes > self.budget:
             self.refused += nbytes
             return False
         self.admitted.update(new)

@@ -228,7 +228,8 @@ def test_the_graphs_of_one_model_read_one_copy_of_each_weight_whatever_memory_is
     assert model.generate(PROMPT, max_new_tokens=12, do_sample=False, cache_implementation="static",
                           compile_config=config).tolist() == greedy(model)  # another length: a dynamic graph
     assert kinds() == ["decode-replay"] * 4 and len(closed) == 4, kwker.report()
-    assert closed[0].taken > 0 and all(a.budget == 0 and not a.refused and not a.admitted for a in closed[1:])
+    assert closed[0].taken > 0 and all(not a.refused and not a.admitted for a in closed[1:])
+    assert not any("budget" in vars(a) for a in closed[1:])  # the memory left not even read: all shared
     assert closed[0].capacity >= closed[0].taken and not any(a.capacity for a in closed[1:])  # none faulted in for copies shared
     assert all(g.copies == summary.graphs()[0].copies for g in summary.graphs()), kwker.report()
     assert len({a.family for a in closed}) == 1  # one lock for the plans that share copies
