@@ -54,10 +54,6 @@ void kw_watch_prefetch(const kw_watch *w);
  * Read the memory (copy it) only after this returns: a write between the two is
  * then seen. 0, or -1 with errno set (the watch then reports changed). */
 int kw_watch_rearm(kw_watch *w);
-/* How many times the watch was armed (kw_watch_new, kw_watch_rearm): a watch
- * that reports changed and was armed since a moment was written after that
- * arming, not only before it. */
-unsigned kw_watch_arms(const kw_watch *w);
 /* Reports changed from now until the next kw_watch_rearm: the copy made since
  * the last arming is not whole (its making failed), so it must be made again. */
 void kw_watch_invalidate(kw_watch *w);

@@ -63,7 +63,6 @@ struct kw_watch {
     int entry;         /* index into regions, -1 when no whole page lies inside */
     size_t head, tail; /* bytes before the first protected page, after the last */
     unsigned char *snapshot; /* head bytes, then tail bytes */
-    unsigned arms;           /* kw_watch_arms */
     atomic_int invalid;      /* kw_watch_invalidate, until the next arming */
     unsigned generation;     /* `generation` when armed */
 };
@@ -291,7 +290,6 @@ kw_watch *kw_watch_new(const void *p, size_t bytes) {
         }
     }
     take_snapshot(w);
-    w->arms = 1;
     w->generation = atomic_load(&generation);
     return w;
 }
@@ -348,11 +346,8 @@ int kw_watch_rearm(kw_watch *w) {
     w->generation = atomic_load(&generation);
     const int rc = protect(w);
     take_snapshot(w);
-    w->arms++;
     return rc;
 }
-
-unsigned kw_watch_arms(const kw_watch *w) { return w->arms; }
 
 void kw_watch_invalidate(kw_watch *w) { atomic_store(&w->invalid, 1); }
 

@@ -173,11 +173,12 @@ def small_linear_plan(n_threads=1):
     return b.finish(n_threads), w
 
 
-def copying_plan(rows=8, after_refresh=None):
+def copying_plan(rows=8, after_refresh=None, source=None):
     """out = x @ copyᵀ, where copy is the plan's own copy of its second argument
-    ([rows, 4]), kept fresh through plan.watch; returns the plan, the copy and
-    the refreshes seen. after_refresh(source) runs at the end of each refresh."""
-    source = torch.randn(rows, 4)
+    ([rows, 4]: source, or a new one), kept fresh through plan.watch; returns
+    the plan, the source and the refreshes seen. after_refresh(source) runs at
+    the end of each refresh."""
+    source = torch.randn(rows, 4) if source is None else source
     copy = source.clone()
     b = _C.PlanBuilder()
     x = b.input("x", F32, (2, 4))
@@ -244,6 +245,59 @@ def test_a_source_written_again_after_its_refresh_armed_it_is_read_as_copied_and
     assert len(refreshes) == 4
     plan(x, source)
     assert len(refreshes) == 4
+
+
+def test_a_source_moved_again_after_its_refresh_is_read_as_copied_and_copied_again_next_call():
+    """Another thread swapping weights (`p.data = other`, every weight in turn)
+    while a call refreshes: the source moves again after each refresh saw it
+    current. The call read the copy as the last refresh made it, but raised
+    that the refresh had left it out of date (20 requests of 20, a hostile
+    pass's reproducer); eager ran. Moved to another layout, it still raises:
+    the refresh must see that."""
+    moves = []
+
+    def move_again(source):
+        if len(moves) < 3:
+            moves.append(source.clone())
+            source.data = source.detach() + 1.0
+
+    plan, source, refreshes = copying_plan(after_refresh=move_again)
+    x = torch.randn(2, 4)
+    source.data = source.detach().clone()
+    torch.testing.assert_close(plan(x, source)[0], x @ refreshes[-1].T)  # two refreshes, each moved after
+    assert len(refreshes) == 2 and torch.equal(refreshes[-1], moves[-1])
+    torch.testing.assert_close(plan(x, source)[0], x @ source.T)  # moved once more, then left alone
+    assert len(refreshes) == 4
+
+    def relay(source):  # each time in the other layout
+        source.data = torch.randn(4, 8).t() if source.is_contiguous() else torch.randn(8, 4)
+
+    plan, source, _ = copying_plan(after_refresh=relay)
+    source.data = source.detach().clone()
+    with pytest.raises(_C.PlanError, match="left a copied weight out of date"):
+        plan(x, source)
+
+
+def test_a_source_written_after_each_rebuild_of_the_plan_is_read_as_copied():
+    """A rebuild (a weight no longer bf16-valued) inside the call, and another
+    thread's write after it: the rebuilt plan's copies were made current by
+    the rebuild, so the write is another thread's, as after a refresh; it was
+    raised as kwker's fault (a LoRA merge beside a generating thread, 12 of 60
+    requests)."""
+    x, built = torch.randn(2, 4), []
+
+    def rebuild(args):
+        plan, _, _ = copying_plan(source=args[1])
+        built.append(args[1].clone())
+        plan.watch([(1, _C.Watch(args[1]))], rebuild)
+        args[1].data.add_(1.0)  # another thread's write, after the rebuild copied
+        return plan
+
+    plan, source, _ = copying_plan()
+    plan.watch([(1, _C.Watch(source))], rebuild)
+    source.data.add_(1.0)
+    torch.testing.assert_close(plan(x, source)[0], x @ built[-1].T)
+    assert len(built) == 2
 
 
 def test_a_source_replaced_or_relaid_is_refreshed_and_a_refresh_may_return_a_new_plan():

@@ -133,8 +133,16 @@ extern PyTypeObject kw__WatchType;
  * tensor of zero bytes, which never changes). */
 int kw__watch_changed(PyObject *watch, PyObject *tensor);
 int kw__watch_moved(PyObject *watch, PyObject *tensor);
+/* 1 when `tensor` is of the watch's Python type and layout at another address; 0; -1 with an exception. */
+int kw__watch_relocated(PyObject *watch, PyObject *tensor);
 struct kw_watch;
 const struct kw_watch *kw__watch_memory(PyObject *watch);
+/* Watches count time in events (the GIL held): a watch made, armed again, or
+ * found matching its tensor (Watch.matches) saw its tensor current then.
+ * kw__watch_epoch_next() starts a new moment and returns it;
+ * kw__watch_current_since(watch, t): the watch saw its tensor current after t. */
+uint64_t kw__watch_epoch_next(void);
+int kw__watch_current_since(PyObject *watch, uint64_t epoch);
 /* Starts fetching what kw__watch_changed reads of the watch (see kw_watch_prefetch). */
 void kw__watch_prefetch(PyObject *watch);
 

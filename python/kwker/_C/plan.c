@@ -330,41 +330,28 @@ static PyObject *args_tuple(PyObject *const *args, Py_ssize_t n) {
     return t;
 }
 
-/* A watched memory and how many times it had been armed, before a refresh. */
-typedef struct kw__armed {
-    const struct kw_watch *w;
-    unsigned arms;
-} kw__armed;
-
-/* s's watched memories and their arm counts now, *n of them; NULL with an exception. */
-static kw__armed *arms_now(const kw__state *s, int *n) {
-    kw__armed *a = PyMem_Calloc((size_t)s->n_src + 1, sizeof *a);
-    if (!a) {
-        PyErr_NoMemory();
-        return NULL;
-    }
-    *n = 0;
-    for (int i = 0; i < s->n_src; i++) {
-        const struct kw_watch *w = s->src[i].watch ? kw__watch_memory(s->src[i].watch) : NULL;
-        if (w) a[(*n)++] = (kw__armed){w, kw_watch_arms(w)};
-    }
-    return a;
-}
-
-/* 1 when every source that differs is a memory that the last refresh armed
- * again (its count grew from `before`) and that was written after: no source
- * moved, no value differs, no memory was left as it was. 0; -1 with an
- * exception. */
-static int written_since_armed(const kw__state *s, PyObject *const *args, const kw__armed *before, int n_before) {
+/* 1 when every source that differs was seen current after the last refresh
+ * began, at epoch `since` (its watch made, armed again or matched since:
+ * the refresh packed its copy, or found it fresh, and so did a rebuild), and
+ * was then written, or moved to memory of the same type and layout, by
+ * another thread. 0 for any other difference: a float input's value, a tensor
+ * of another type or layout (which a refresh must see), a source that no
+ * refresh saw current (kwker's own fault); -1 with an exception. */
+static int changed_since_current(const kw__state *s, PyObject *const *args, uint64_t since) {
     for (int i = 0; i < s->n_src; i++) {
         const struct kw__watched *w = &s->src[i];
-        const int moved = w->watch ? kw__watch_moved(w->watch, args[w->arg]) : value_changed(args[w->arg], w->value);
-        if (moved) return moved < 0 ? -1 : 0;
-        const struct kw_watch *m = w->watch ? kw__watch_memory(w->watch) : NULL;
-        if (!m || !kw_watch_changed(m)) continue;
-        int j = 0;
-        while (j < n_before && before[j].w != m) j++;
-        if (j == n_before || kw_watch_arms(m) == before[j].arms) return 0;
+        if (!w->watch) {
+            const int changed = value_changed(args[w->arg], w->value);
+            if (changed) return changed < 0 ? -1 : 0;
+            continue;
+        }
+        const int moved = kw__watch_moved(w->watch, args[w->arg]);
+        if (moved < 0) return -1;
+        const struct kw_watch *m = kw__watch_memory(w->watch);
+        if (!moved && !(m && kw_watch_changed(m))) continue;
+        const int relocated = moved ? kw__watch_relocated(w->watch, args[w->arg]) : 1;
+        if (relocated <= 0) return relocated;
+        if (!kw__watch_current_since(w->watch, since)) return 0;
     }
     return 1;
 }
@@ -400,18 +387,21 @@ static int refresh_once(PlanObject *p, PyObject *const *args, Py_ssize_t nargs) 
  * packing the copies again or by returning a rebuilt Plan that p adopts.
  * Sources still changed after two refreshes are kwker's own fault (a copy the
  * refresh did not bring up to date), raised, but for one case: another thread
- * writing a weight while this call packs its copy (a trainer beside a
- * generating thread) writes it again after the refresh armed its watch. The
- * copy then holds the memory as it was at a moment of this call, as eager's
- * reads of memory another thread writes do, and the call goes on; the next
- * call sees the write and packs it again. */
+ * writes a weight, or moves it (`param.data = other`), after the refresh saw
+ * it current (a trainer, or a LoRA merge, beside a generating thread; one
+ * that goes over every weight in turn is always after some). The copy then
+ * holds the memory as it was at a moment of this call, as eager's reads of
+ * memory another thread writes do, and the call goes on; the next call sees
+ * the change and packs it again. Before, a source moved after the refresh, or
+ * any change after a rebuild, was raised as kwker's fault: a thread that
+ * swapped every weight in turn made each call of another raise. */
 static int update_sources(PlanObject *p, PyObject *const *args, Py_ssize_t nargs) {
     if (kw_watch_handler_check()) {
         PyErr_SetFromErrno(PyExc_OSError);
         return -1;
     }
-    kw__armed *before = NULL; /* the memories' arm counts before the last refresh, when it kept the state */
-    int n_before = 0, rc = 0;
+    uint64_t since = 0; /* the epoch at which the last refresh began */
+    int rc = 0;
     for (int attempt = 0;; attempt++) {
         kw__state *s = p->s;
         if (!s->sources) break;
@@ -421,22 +411,17 @@ static int update_sources(PlanObject *p, PyObject *const *args, Py_ssize_t nargs
             break;
         }
         if (attempt == 2) {
-            const int raced = before ? written_since_armed(s, args, before, n_before) : 0;
+            const int raced = changed_since_current(s, args, since);
             if (!raced) kw__plan_error(KW_ESTATE, "the plan's refresh left a copied weight out of date");
             rc = raced > 0 ? 0 : -1;
             break;
         }
-        PyMem_Free(before);
-        if (!(before = arms_now(s, &n_before)) || refresh_once(p, args, nargs)) {
+        since = kw__watch_epoch_next();
+        if (refresh_once(p, args, nargs)) {
             rc = -1;
             break;
         }
-        if (p->s != s) { /* a rebuilt plan watches memories of its own */
-            PyMem_Free(before);
-            before = NULL;
-        }
     }
-    PyMem_Free(before);
     return rc;
 }
 

@@ -20,7 +20,14 @@ typedef struct WatchObject {
     PyObject *alias; /* tensor.detach() */
     PyTypeObject *type; /* type(tensor) */
     kw_tensor t;     /* the address and layout watched */
+    uint64_t current_at; /* the epoch at which the tensor was last seen current (kw__watch_epoch_next) */
 } WatchObject;
+
+static uint64_t epoch;
+
+uint64_t kw__watch_epoch_next(void) { return ++epoch; }
+
+int kw__watch_current_since(PyObject *watch, uint64_t since) { return ((WatchObject *)watch)->current_at > since; }
 
 static int same_layout(const kw_tensor *a, const kw_tensor *b) {
     if (a->dtype != b->dtype || a->ndim != b->ndim) return 0;
@@ -39,6 +46,14 @@ int kw__watch_moved(PyObject *watch, PyObject *tensor) {
     kw_tensor now;
     if (kw__tensor_read_quick(tensor, &now) && kw__tensor_read(tensor, "a watched tensor", &now)) return -1;
     return now.data != self->t.data || !same_layout(&now, &self->t);
+}
+
+int kw__watch_relocated(PyObject *watch, PyObject *tensor) {
+    WatchObject *self = (WatchObject *)watch;
+    if (Py_TYPE(tensor) != self->type) return 0;
+    kw_tensor now;
+    if (kw__tensor_read_quick(tensor, &now) && kw__tensor_read(tensor, "a watched tensor", &now)) return -1;
+    return now.data != self->t.data && same_layout(&now, &self->t);
 }
 
 const kw_watch *kw__watch_memory(PyObject *watch) { return ((WatchObject *)watch)->w; }
@@ -67,6 +82,7 @@ static PyObject *watch_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     WatchObject *self = (WatchObject *)type->tp_alloc(type, 0);
     if (!self) return NULL;
     self->t = t;
+    self->current_at = ++epoch;
     self->type = (PyTypeObject *)Py_NewRef(Py_TYPE(tensor));
     self->alias = PyObject_CallMethod(tensor, "detach", NULL);
     if (!self->alias) {
@@ -85,6 +101,7 @@ static PyObject *watch_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
 static PyObject *watch_rearm(PyObject *self_, PyObject *unused) {
     WatchObject *self = (WatchObject *)self_;
     if (self->w && kw_watch_rearm(self->w)) return PyErr_SetFromErrno(PyExc_OSError);
+    self->current_at = ++epoch;
     Py_RETURN_NONE;
 }
 
@@ -96,6 +113,7 @@ static PyObject *watch_invalidate(PyObject *self_, PyObject *unused) {
 
 static PyObject *watch_matches(PyObject *self, PyObject *tensor) {
     const int changed = kw__watch_changed(self, tensor);
+    if (!changed) ((WatchObject *)self)->current_at = ++epoch;
     return changed < 0 ? NULL : PyBool_FromLong(!changed);
 }
 
@@ -147,7 +165,8 @@ static PyMethodDef watch_methods[] = {
      "watched alias cannot tell: it shares the storage, whose memory untyped_storage().resize_() replaces."},
     {"matches", watch_matches, METH_O,
      "matches(tensor) -> bool: tensor has the watched address and layout, and the memory was not written\n"
-     "since the watch was made or rearmed."},
+     "since the watch was made or rearmed (which the watch notes: a plan's call tells a write by another thread\n"
+     "after its refresh saw the tensor current from a copy the refresh left stale)."},
     {NULL, NULL, 0, NULL},
 };
 
