@@ -49,6 +49,7 @@ from typing import NamedTuple
 import torch
 
 from kwker import _C
+from kwker.threads import ForkSafeLock
 
 log = logging.getLogger(__name__)
 
@@ -219,7 +220,7 @@ class WeightArena:
     core. Copies are cut from it in order; close() returns the unused tail.
 
     The copies take at most the memory left for them (memory_for_copies, read
-    when the arena is made): the rewrites ask admit() for each group's copies,
+    at the first copy reserved or admitted): the rewrites ask admit() for each group's copies,
     in the graph's order, and read the weights of the groups refused as stored.
     A model that nearly fills the memory keeps the copies of its first layers,
     not none: a refused bf16 copy of a bf16-valued float32 weight reads twice
@@ -240,6 +241,7 @@ class WeightArena:
         would make, not share, is reserved."""
         self.family, self.shares = family, shares
         self.admitted: set = set()  # the keys (_shared_key) of the copies admitted
+        self.handed: set = set()  # the keys of the copies make_copy gave this plan
         self.taken = self.refused = 0  # bytes of copies admitted, and refused
         nbytes = sum(self._to_make(planned)[0].values())
         nbytes = min(nbytes, self.budget) if nbytes else 0
@@ -347,7 +349,8 @@ def memory_for_copies() -> int:
     OOM killer would end the process. Unbounded where nothing says."""
     setting = copy_memory_setting()
     if setting is not None:
-        return setting - sum(c.copy.nbytes for c in _alive)
+        with _alive_lock:  # a WeakSet changed by another thread's plan meanwhile raises in the sum
+            return setting - sum(c.copy.nbytes for c in _alive)
     total, available = 1 << 62, 1 << 62
     try:
         with open("/proc/meminfo") as f:
@@ -548,6 +551,7 @@ class CopiedWeights:
 # and the others must not replay it meanwhile.
 _shared: "weakref.WeakValueDictionary[tuple, CopiedWeight]" = weakref.WeakValueDictionary()
 _alive: "weakref.WeakSet[CopiedWeight]" = weakref.WeakSet()  # every copy a plan reads: KWKER_COPY_MEMORY's use
+_alive_lock = ForkSafeLock()
 
 
 def _shared_key(tensors: list[torch.Tensor], storage: Storage) -> tuple:
@@ -565,14 +569,19 @@ def _fresh_shared(key: tuple, tensors: list[torch.Tensor]) -> CopiedWeight | Non
 def make_copy(tensors: list[torch.Tensor], storage: Storage, arena: WeightArena) -> CopiedWeight:
     """Watches the sources, then copies them: a write in between is seen. A
     copy other plans read of the same sources, made the same way and still
-    fresh, is returned instead (WeightArena.shared). One admitted as shared
-    that went stale since (a thread wrote a source meanwhile) is made, and
+    fresh, is returned instead (WeightArena.shared), but for sources of
+    other names in the same plan (two Parameters over one memory): one copy
+    cannot follow both once one is moved (`a.data = other`), and the plan read
+    the other's values for it. A copy made where admit() counted none (one
+    admitted as shared that a thread wrote since, or that second copy) is
     counted then."""
     key = _shared_key(tensors, storage)
-    same = arena.shared(key, tensors)
+    again = key in arena.handed
+    arena.handed.add(key)
+    same = None if again else arena.shared(key, tensors)
     if same is not None:
         return same
-    if key not in arena.admitted:
+    if again or key not in arena.admitted:
         arena.admitted.add(key)
         arena.taken += copy_nbytes(tensors, storage)
     watches = [_C.Watch(t) for t in tensors]
@@ -581,7 +590,8 @@ def make_copy(tensors: list[torch.Tensor], storage: Storage, arena: WeightArena)
     if arena.family is None:
         arena.family = _C.CallLock()
     made = CopiedWeight(storage, copy, arena.family, watches)
-    _alive.add(made)
+    with _alive_lock:
+        _alive.add(made)
     if arena.shares:
         _shared[key] = made
     return made

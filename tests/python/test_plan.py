@@ -444,13 +444,13 @@ def test_a_child_forked_while_another_thread_is_inside_a_call_can_call_the_plan(
 
     def wait_on_one(reads, writes):
         if reads[0][0] == 1:  # the parent's thread: stay inside the call until the fork is made
-            output["address"] = writes[0].data_ptr()
+            output["id"] = id(writes[0])
             inside.set()
             leave.wait(30)
         writes[0].copy_(reads[0] + 1)
 
     def refs_to_its_output():  # the interrupted call's output, which its fallback holds too (writes)
-        (t,) = [t for t in gc.get_objects() if isinstance(t, torch.Tensor) and t.data_ptr() == output["address"]]
+        (t,) = [t for t in gc.get_objects() if id(t) == output["id"]]  # its thread's frame holds it in the child
         return sys.getrefcount(t)
 
     plan = fallback_plan(wait_on_one)

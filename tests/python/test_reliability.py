@@ -293,6 +293,29 @@ def test_a_copy_admitted_as_shared_and_made_after_a_write_is_counted():
     arena.close()
 
 
+def test_two_parameters_over_one_memory_keep_copies_of_their_own_when_one_moves():
+    """Two Parameters over one memory, read by two linears of one plan: they
+    shared one copy, which each refresh packed from the first, then from the
+    second, and after `a.data = other` the linear over a read b's values (19.7
+    off eager's, no error; a review's reproducer)."""
+    import torch.nn.functional as F
+
+    from kwker.plan import compile_plan
+
+    def two(x, y, a, b):
+        return F.linear(x, a) + 10 * F.linear(y, b)
+
+    w = torch.randn(64, 64).bfloat16().float()
+    a, b = (torch.nn.Parameter(w, requires_grad=False) for _ in range(2))
+    x, y = torch.randn(2, 64), torch.randn(2, 64)
+    plan, detail = compile_plan(torch.fx.symbolic_trace(two), [x, y, a, b])
+    assert detail["copies"] == 2
+    torch.testing.assert_close(plan(x, y, a, b)[0], two(x, y, a, b), rtol=1e-4, atol=1e-3)
+    a.data = a.detach() * 2
+    for _ in range(2):
+        torch.testing.assert_close(plan(x, y, a, b)[0], two(x, y, a, b), rtol=1e-4, atol=1e-3)
+
+
 def test_a_copy_packed_from_a_weight_moved_is_shared_under_its_new_memory():
     """p.data = other: the plan that sees it packs the shared copy from the new
     memory, and a plan built after reads that copy; before, the copy stayed
