@@ -70,7 +70,7 @@ def format_report() -> str:
         else:
             extra = g.why
         if g.copies_refused:
-            extra += f"; {size(g.copies_refused)} of weight copies not made: no memory left for them"
+            extra += f"; {size(g.copies_refused)} of weight copies not made: no memory left for them (KWKER_COPY_MEMORY)"
         lines.append(f"{g.index:>5}  {kind:<{width}} {g.nodes:>5} {g.seconds:>9.2f}  {extra}")
     return "\n".join(lines)
 
