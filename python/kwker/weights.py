@@ -114,9 +114,12 @@ def shared_with_other_processes(tensors: list[torch.Tensor]) -> bool:
     through torch.frombuffer or numpy, which is_shared calls False). A watch
     sees the writes of this process only (the pages are read-only in its own
     mapping), so a copy of it would be read stale after another process's
-    write. Such a weight is always read as stored. A read-only shared mapping
-    (safetensors' mmap of a checkpoint) is not counted: nothing writes through
-    it, and its weights would lose their copies."""
+    write. Such a weight is always read as stored. A read-only or private
+    mapping of a file (safetensors' mmap of a checkpoint, torch.load(mmap=True))
+    is not counted: nothing of this process writes through it, and its weights
+    would lose their copies; a write to the file itself while it is mapped
+    (pwrite, another process's shared mapping) is not seen, and the copy is
+    read stale (README: replace a checkpoint by renaming a new file over it)."""
     if any(t.is_shared() for t in tensors):
         return True
     spans = _writable_shared_mappings()
