@@ -143,6 +143,9 @@ def main(argv=None) -> None:
     args = parser.parse_args(own)
     if not program:
         parser.error("name a script (or -m module) to run")
+    if program[0].startswith("-") and program[0] not in ("-m", "-"):  # after --: python would take it for its own
+        parser.error(f"{program[0]!r} after --: name a script (or -m module) to run; python's own options are not "
+                     "passed on")
     env, cpus = launch_settings(args, os.environ, os.sched_getaffinity(0))
     if cpus is not None:
         os.sched_setaffinity(0, cpus)  # kept across exec, by the program and every thread it starts

@@ -111,6 +111,7 @@ def test_module_form_runs_the_module():
     (["--threads", "0"], "--threads 0: expected at least 1"),
     (["--thread", "2"], "unrecognized arguments: --thread"),  # not argparse's abbreviation, which split_argv misread
     ([], "name a script (or -m module) to run"),
+    (["--", "-c", "print(1)"], "'-c' after --: name a script (or -m module) to run"),  # it ran as python -c
 ])
 def test_bad_options_name_the_problem(options, message):
     out = subprocess.run([sys.executable, "-m", "kwker.run", *options] + (["x.py"] if options else []),
