@@ -1,6 +1,7 @@
 /* Runtime ISA detection: the CPU must report the instructions (CPUID) and the OS
  * must save the vector state they use (XGETBV), else AVX-512 code faults. */
 #include <cpuid.h>
+#include <ctype.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -88,12 +89,14 @@ static int is_intel(void) {
     return __get_cpuid(0, &a, &b, &c, &d) && b == 0x756e6547 && d == 0x49656e69 && c == 0x6c65746e; /* "GenuineIntel" */
 }
 
-/* A setting's value from the environment, -1 when unset or not an integer in [0, max]. */
+/* A setting's value from the environment, -1 when unset or not an integer in
+ * [0, max], written as digits alone (strtoll would skip a leading space, which
+ * KWKER_ISA's names do not take either). */
 static int64_t env_setting(const char *name, int64_t max) {
     const char *env = getenv(name);
     char *end;
     const long long v = env ? strtoll(env, &end, 10) : -1;
-    return env && *env && !*end && v >= 0 && v <= max ? v : -1;
+    return env && isdigit((unsigned char)*env) && !*end && v >= 0 && v <= max ? v : -1;
 }
 
 enum { PREFETCH_MAX_BYTES = 1 << 20 };

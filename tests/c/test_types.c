@@ -60,6 +60,13 @@ Test(cpu, prefetch_distance_by_vendor_rows_dtype_and_isa) {
     cr_expect_eq(kw_cpu_prefetch(5, KW_BF16).bytes, several, "several rows: every CPU");
 }
 
+Test(cpu, a_prefetch_setting_with_a_space_is_ignored_as_a_misspelt_isa_is) {
+    setenv("KWKER_PREFETCH", " 64", 1); /* strtoll took it as 64 */
+    __builtin_cpu_init();
+    const int intel = __builtin_cpu_is("intel"), below_avx512 = kw_cpu_isa() < KW_ISA_AVX512;
+    cr_expect_eq(kw_cpu_prefetch(5, KW_F32).bytes, intel ? 4096 : below_avx512 ? 1024 : 4096, "the default");
+}
+
 Test(cpu, prefetch_into_l2_only_on_intel) {
     unsetenv("KWKER_PREFETCH_L2");
     __builtin_cpu_init();
