@@ -129,7 +129,7 @@ def tune_inference(gm: torch.fx.GraphModule, example_inputs, opts: KwkerOptions)
         choice = choose(builders, example_inputs, reference="inductor", truth="eager", written=written,
                         tolerance=output_tolerance(gm, example_inputs, TOLERANCE), gates={"frozen": cannot_win})
     except TruthFailed as e:
-        return raised_run_eagerly(e, gm, TunedAtALaterCall(
+        return raised_run_eagerly(e, TunedAtALaterCall(
             gm, opts, [i for i, x in enumerate(example_inputs) if any(x is w for w in written)]))
     remember_unless_an_error(key, choice, choice.fallback)
     if choice.name == "frozen" and choice.fallback is not None:  # else Dynamo's graph, FrozenGraph's own
@@ -141,29 +141,26 @@ def tune_inference(gm: torch.fx.GraphModule, example_inputs, opts: KwkerOptions)
     return "tuned", served, detail
 
 
-def raised_run_eagerly(e: TruthFailed, gm: torch.fx.GraphModule, later: "TunedAtALaterCall | None" = None):
+def raised_run_eagerly(e: TruthFailed, later: "TunedAtALaterCall"):
     """The graph failed run eagerly on the call's inputs (a user's error: a
-    float32 input to a bf16 Linear, a token id past the vocabulary; or a
-    training graph's backward, which the call itself may not run): it is run
-    eagerly, so that this call and every later one that fails so raise eager's
-    error; an inference graph (`later`) is tuned at the first later call that
-    does not raise. Raised here, it was Dynamo's BackendCompilerFailed, which
-    blamed kwker, and Dynamo compiled the graph again at every call; stock
-    Inductor's graph aborts the process where its bounds check throws inside
-    an OpenMP parallel region. A later call of other shapes or dtypes is
-    compiled afresh (Dynamo's guards); a training graph's of these is run
-    eagerly, untuned, which the warning says."""
-    until = "torch._dynamo.reset()" if later is None else "a call of these shapes that does not raise, which is tuned"
-    why = f"the graph raised run eagerly on the first call's inputs{' (forward and backward)' * (later is None)}: " \
-          f"{e}; it runs eagerly, untuned, until {until}"
+    float32 input to a bf16 Linear, a token id past the vocabulary, a label
+    past a loss's classes; or a training graph's backward, which the call
+    itself may not run): it is run eagerly, so that this call and every later
+    one that fails so raise eager's error, and tuned at the first later call
+    that does not raise (`later`). Raised here, it was Dynamo's
+    BackendCompilerFailed, which blamed kwker, and Dynamo compiled the graph
+    again at every call; stock Inductor's graph aborts the process where its
+    bounds check throws inside an OpenMP parallel region. A later call of
+    other shapes or dtypes is compiled afresh (Dynamo's guards)."""
+    why = f"the graph raised run eagerly on the first call's inputs{' (forward and backward)' * later.training}: " \
+          f"{e}; it runs eagerly, untuned, until a call of these shapes that does not raise, which is tuned"
     log.warning("kwker: %s", why)
-    # its forward, as Dynamo's eager backend: __call__ prints the failing line
-    return "eager", quiet(gm) if later is None else later, {"why": why}
+    return "eager", later, {"why": why}
 
 
 class TunedAtALaterCall:
-    """An inference graph whose first call raised run eagerly (raised_run_eagerly),
-    tuned at the first later call that does not: until then each call runs it
+    """A graph whose first call raised run eagerly (raised_run_eagerly), tuned
+    at the first later call that does not. An inference graph: until then each call runs it
     eagerly on copies of the inputs it writes (_on_copied_storages), so that
     one that fails again raises eager's error at the cost of eager's run and
     writes nothing (the tuning would trace and reserve weights first); the
@@ -173,13 +170,18 @@ class TunedAtALaterCall:
     not be written), and the candidate kept serves it and every later call.
     Before, the graph ran eagerly, untuned, until torch._dynamo.reset(): one
     bad token id in a server's first request kept every later request of those
-    shapes on eager's speed. (A training graph's still does: its backward,
-    which the call may not run, is what may fail.)"""
+    shapes on eager's speed. A training graph (training=True): each later call
+    is tuned as a first call is (tune_training: eager's forward and backward
+    first, on inputs detached, its writes put back) and run eagerly while that
+    raises; the candidate kept at the first call it does not serves every later
+    call. Before, it ran eagerly until torch._dynamo.reset(): a first batch
+    with a label past the classes kept a whole training run at eager's speed."""
 
     checked_args = frozenset()  # for kwker.guards: the guards noted at the compile are all kept
 
-    def __init__(self, gm: torch.fx.GraphModule, opts: KwkerOptions, written: list[int]):
+    def __init__(self, gm: torch.fx.GraphModule, opts: KwkerOptions, written: list[int], training: bool = False):
         self.gm, self.opts, self.written = gm, opts, frozenset(written)  # written: indices of the inputs
+        self.training = training
         self.fn, self._lock = None, ForkSafeLock()
 
     def __call__(self, *args):
@@ -192,9 +194,14 @@ class TunedAtALaterCall:
     def _tuned(self, inputs: list):
         """What serves this call: the candidate kept, else (eager's run in the
         tuning raised where the one on copies did not) the graph run eagerly."""
+        start = time.perf_counter()
+        if self.training:
+            try:
+                return self._keep(*_tuned_training(self.gm, inputs, self.opts), start)
+            except TruthFailed:  # raised again: this call runs eagerly, and raises eager's error
+                return quiet(self.gm)
         written = [inputs[i] for i in self.written]
         quiet(self.gm)(*_on_copied_storages(inputs, written))  # eager's error, if it raises again
-        start = time.perf_counter()
         # Outside inference mode, as Dynamo compiles (weight copies are written later, outside it);
         # inference_mode(False) turns grad mode on, which the graph's runs must not have.
         grad = torch.is_grad_enabled()
@@ -203,6 +210,9 @@ class TunedAtALaterCall:
             kind, fn, detail = tune_inference(self.gm, tuned_on, self.opts)
         if isinstance(fn, TunedAtALaterCall):
             return quiet(self.gm)
+        return self._keep(kind, fn, detail, start)
+
+    def _keep(self, kind: str, fn, detail: dict, start: float):
         seconds = time.perf_counter() - start
         why = "its first call raised run eagerly; tuned at the first later call that did not"
         entry = summary.record(kind=kind, nodes=len(self.gm.graph.nodes), seconds=seconds, reason=why, **detail)
@@ -308,6 +318,14 @@ def tune_training(gm: torch.fx.GraphModule, example_inputs, opts: KwkerOptions):
     gradient hooks (the timing's backward passes would call them). A choice
     remembered from an earlier tuning of this graph is built alone
     (kwker.choices)."""
+    try:
+        return _tuned_training(gm, example_inputs, opts)
+    except TruthFailed as e:
+        return raised_run_eagerly(e, TunedAtALaterCall(gm, opts, [], training=True))
+
+
+def _tuned_training(gm: torch.fx.GraphModule, example_inputs, opts: KwkerOptions):
+    """tune_training's; raises TruthFailed where eager's run raised."""
     def inductor_timed():
         # The backward compiled with the forward: compiled lazily, at the timing's
         # first backward, it would be compiled inside this compile, which Dynamo refuses.
@@ -333,12 +351,9 @@ def tune_training(gm: torch.fx.GraphModule, example_inputs, opts: KwkerOptions):
         why_not = "a training graph whose inputs have gradient hooks, which timing runs would call: not timed"
     if why_not:
         return "inductor", compile_with_inductor(gm, example_inputs, opts), {"why": why_not}
-    try:
-        choice = choose({**builders, "inductor": inductor_timed}, example_inputs, reference="inductor",
-                        truth="eager", run=ForwardAndBackward(), written=written,
-                        tolerance=output_tolerance(gm, example_inputs, TRAINING_TOLERANCE))
-    except TruthFailed as e:
-        return raised_run_eagerly(e, gm)
+    choice = choose({**builders, "inductor": inductor_timed}, example_inputs, reference="inductor",
+                    truth="eager", run=ForwardAndBackward(), written=written,
+                    tolerance=output_tolerance(gm, example_inputs, TRAINING_TOLERANCE))
     remember_unless_an_error(key, choice, None)
     # Inductor kept is compiled again as stock Inductor compiles it, its backward lazily: the
     # timed one's, compiled before any backward said whether it keeps the graph, takes

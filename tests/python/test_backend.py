@@ -586,6 +586,40 @@ def test_graphs_recorded_from_threads_at_once_each_get_their_own_index(monkeypat
     assert sorted(g.index for g in summary.graphs()) == list(range(12000))
 
 
+def test_a_training_graph_whose_first_call_raised_is_tuned_at_the_first_later_call_that_does_not():
+    """A first batch with a label past the classes: the training graph ran
+    eagerly, untuned, until torch._dynamo.reset(). Each later call that raises
+    raises eager's error; the first that does not is tuned, and the gradients
+    are eager's."""
+    import torch.nn.functional as F
+
+    from kwker import summary
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    eager = copy.deepcopy(model)
+    x, bad, good = torch.randn(8, 16), torch.full((8,), 7), torch.randint(0, 4, (8,))
+    with pytest.raises(IndexError) as expected:
+        F.cross_entropy(eager(x), bad)
+    summary.clear()
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x, y: F.cross_entropy(model(x), y), backend="kwker")
+    for _ in range(2):
+        with pytest.raises(IndexError) as raised:
+            compiled(x, bad)
+        assert str(raised.value) == str(expected.value)
+    (graph,) = summary.graphs()
+    assert graph.kind == "eager" and "which is tuned" in graph.why, kwker.report()
+    for y in (good, good.flip(0)):
+        compiled(x, y).backward()
+        F.cross_entropy(eager(x), y).backward()
+        for p, q in zip(model.parameters(), eager.parameters()):
+            torch.testing.assert_close(p.grad, q.grad)
+    assert [g.kind for g in summary.graphs()] == ["eager", "training"], kwker.report()
+    assert "tuned at the first later call" in summary.graphs()[1].why, kwker.report()
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("grad", [False, True], ids=["inference", "training"])
 def test_a_model_that_raises_run_eagerly_raises_eagers_error_at_every_call(grad, capfd):
     """A float32 input to a bf16 Linear: eager and Inductor raise the op's
