@@ -194,14 +194,15 @@ class TunedAtALaterCall:
     def _tuned(self, inputs: list):
         """What serves this call: the candidate kept, else (eager's run in the
         tuning raised where the one on copies did not) the graph run eagerly."""
-        start = time.perf_counter()
         if self.training:
+            start = time.perf_counter()
             try:
                 return self._keep(*_tuned_training(self.gm, inputs, self.opts), start)
             except TruthFailed:  # raised again: this call runs eagerly, and raises eager's error
                 return quiet(self.gm)
         written = [inputs[i] for i in self.written]
         quiet(self.gm)(*_on_copied_storages(inputs, written))  # eager's error, if it raises again
+        start = time.perf_counter()
         # Outside inference mode, as Dynamo compiles (weight copies are written later, outside it);
         # inference_mode(False) turns grad mode on, which the graph's runs must not have.
         grad = torch.is_grad_enabled()
