@@ -126,15 +126,18 @@ extern PyTypeObject kw__PlanType;
 extern PyTypeObject kw__CallLockType;
 extern PyTypeObject kw__WatchType;
 
-/* 1 when `tensor` is not the watch's memory, layout and Python type, or that memory was
- * written since the watch was made or rearmed; 0; -1 with an exception. The
+/* Non-zero when `tensor` is not the watch's memory, layout and Python type (kw__watch_moved's
+ * value), or that memory was written since the watch was made or rearmed (1); 0; -1 with an exception. The
  * two halves: kw__watch_moved (the tensor, with the GIL) and
  * kw_watch_changed(kw__watch_memory(watch)) (the memory, any thread; NULL for a
  * tensor of zero bytes, which never changes). */
 int kw__watch_changed(PyObject *watch, PyObject *tensor);
+/* kw__watch_moved: 0 when `tensor` is the watch's memory, layout and Python type;
+ * KW__WATCH_RELOCATED for the same type and layout at another address (a
+ * `.data` swap another thread may make); KW__WATCH_REMADE for another type or
+ * layout; -1 with an exception. */
+enum { KW__WATCH_RELOCATED = 1, KW__WATCH_REMADE = 2 };
 int kw__watch_moved(PyObject *watch, PyObject *tensor);
-/* 1 when `tensor` is of the watch's Python type and layout at another address; 0; -1 with an exception. */
-int kw__watch_relocated(PyObject *watch, PyObject *tensor);
 struct kw_watch;
 const struct kw_watch *kw__watch_memory(PyObject *watch);
 /* Watches count time in events (the GIL held): a watch made, armed again, or

@@ -349,9 +349,7 @@ static int changed_since_current(const kw__state *s, PyObject *const *args, uint
         if (moved < 0) return -1;
         const struct kw_watch *m = kw__watch_memory(w->watch);
         if (!moved && !(m && kw_watch_changed(m))) continue;
-        const int relocated = moved ? kw__watch_relocated(w->watch, args[w->arg]) : 1;
-        if (relocated <= 0) return relocated;
-        if (!kw__watch_current_since(w->watch, since)) return 0;
+        if (moved == KW__WATCH_REMADE || !kw__watch_current_since(w->watch, since)) return 0;
     }
     return 1;
 }

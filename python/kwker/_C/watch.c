@@ -25,6 +25,8 @@ typedef struct WatchObject {
 
 static uint64_t epoch;
 
+static void seen_current(WatchObject *self) { self->current_at = ++epoch; }
+
 uint64_t kw__watch_epoch_next(void) { return ++epoch; }
 
 int kw__watch_current_since(PyObject *watch, uint64_t since) { return ((WatchObject *)watch)->current_at > since; }
@@ -42,18 +44,11 @@ int kw__watch_moved(PyObject *watch, PyObject *tensor) {
         return -1;
     }
     WatchObject *self = (WatchObject *)watch;
-    if (Py_TYPE(tensor) != self->type) return 1;
+    if (Py_TYPE(tensor) != self->type) return KW__WATCH_REMADE;
     kw_tensor now;
     if (kw__tensor_read_quick(tensor, &now) && kw__tensor_read(tensor, "a watched tensor", &now)) return -1;
-    return now.data != self->t.data || !same_layout(&now, &self->t);
-}
-
-int kw__watch_relocated(PyObject *watch, PyObject *tensor) {
-    WatchObject *self = (WatchObject *)watch;
-    if (Py_TYPE(tensor) != self->type) return 0;
-    kw_tensor now;
-    if (kw__tensor_read_quick(tensor, &now) && kw__tensor_read(tensor, "a watched tensor", &now)) return -1;
-    return now.data != self->t.data && same_layout(&now, &self->t);
+    if (!same_layout(&now, &self->t)) return KW__WATCH_REMADE;
+    return now.data != self->t.data ? KW__WATCH_RELOCATED : 0;
 }
 
 const kw_watch *kw__watch_memory(PyObject *watch) { return ((WatchObject *)watch)->w; }
@@ -82,7 +77,7 @@ static PyObject *watch_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     WatchObject *self = (WatchObject *)type->tp_alloc(type, 0);
     if (!self) return NULL;
     self->t = t;
-    self->current_at = ++epoch;
+    seen_current(self);
     self->type = (PyTypeObject *)Py_NewRef(Py_TYPE(tensor));
     self->alias = PyObject_CallMethod(tensor, "detach", NULL);
     if (!self->alias) {
@@ -101,7 +96,7 @@ static PyObject *watch_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
 static PyObject *watch_rearm(PyObject *self_, PyObject *unused) {
     WatchObject *self = (WatchObject *)self_;
     if (self->w && kw_watch_rearm(self->w)) return PyErr_SetFromErrno(PyExc_OSError);
-    self->current_at = ++epoch;
+    seen_current(self);
     Py_RETURN_NONE;
 }
 
@@ -113,7 +108,7 @@ static PyObject *watch_invalidate(PyObject *self_, PyObject *unused) {
 
 static PyObject *watch_matches(PyObject *self, PyObject *tensor) {
     const int changed = kw__watch_changed(self, tensor);
-    if (!changed) ((WatchObject *)self)->current_at = ++epoch;
+    if (!changed) seen_current((WatchObject *)self);
     return changed < 0 ? NULL : PyBool_FromLong(!changed);
 }
 
