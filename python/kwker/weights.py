@@ -256,7 +256,9 @@ class WeightArena:
     def budget(self) -> int:
         """memory_for_copies, read when a copy is first reserved or admitted:
         a plan that copies nothing (a graph without weights, each new size of
-        a model's steps that shares its copies) reads no file for it."""
+        a model's steps that shares its copies) reads no file for it. Notes
+        where it came from, for close()'s warning."""
+        self.budget_set = copy_memory_setting() is not None
         return max(memory_for_copies(), 0)
 
     def admit(self, copies: list[tuple[list[str], Storage]], params: dict[str, torch.Tensor]) -> bool:
@@ -324,7 +326,7 @@ class WeightArena:
         self._scratch = torch.empty(0)
         if self.refused:
             global _warned_memory
-            left = "KWKER_COPY_MEMORY less the copies made before" if copy_memory_setting() is not None else \
+            left = "KWKER_COPY_MEMORY less the copies made before" if self.budget_set else \
                 "what is available less what the process may still need; KWKER_COPY_MEMORY sets it"
             (log.info if _warned_memory else log.warning)(
                 "kwker: %s of the graph's weight copies would not fit in the memory left for them (%s: %s); %s were "

@@ -3,8 +3,10 @@ share a step between threads, edit weights any way PyTorch allows, load another
 model, change dtypes, run out of cache — gives eager's tokens, or hands the
 graph to Inductor with the reason, or raises what eager raises."""
 
+import contextlib
 import functools
 import gc
+import logging
 import mmap
 import os
 import threading
@@ -23,6 +25,19 @@ pytestmark = pytest.mark.usefixtures("fresh_compile_state")
 
 PROMPT = torch.tensor([[3, 17, 42, 9, 7, 12, 5, 30]])
 
+
+
+@contextlib.contextmanager
+def logged(name: str):
+    """The warnings logger `name` emits meanwhile (a handler of the test's own:
+    the sanitized run has no caplog)."""
+    records, handler, logger = [], logging.Handler(logging.WARNING), logging.getLogger(name)
+    handler.emit = records.append
+    logger.addHandler(handler)
+    try:
+        yield records
+    finally:
+        logger.removeHandler(handler)
 
 def greedy(model, compile_config=None, new_tokens=12):
     return model.generate(PROMPT, max_new_tokens=new_tokens, do_sample=False, cache_implementation="static",
@@ -176,8 +191,6 @@ def test_weights_are_read_as_stored_where_their_copies_would_not_fit_in_the_memo
     killer end the process at its first compile, where eager runs. Copies are
     made until the memory left for them runs out, the rest read as stored. (A
     handler of the test's own: the sanitized run has no caplog.)"""
-    import logging
-
     model = small_model(arch)  # bf16-valued: every linear's weight would be a copy
     config = kwker.compile_config()
     taken = []
@@ -191,14 +204,9 @@ def test_weights_are_read_as_stored_where_their_copies_would_not_fit_in_the_memo
     budget = 0 if fits == "none" else taken[0] // 2  # the first plan's copies
     monkeypatch.setattr(weights, "memory_for_copies", lambda: budget)
     monkeypatch.setattr(weights, "_warned_memory", False)  # warned once a process
-    records, handler, logger = [], logging.Handler(logging.WARNING), logging.getLogger("kwker.weights")
-    handler.emit = records.append
-    logger.addHandler(handler)
     taken.clear()
-    try:
+    with logged("kwker.weights") as records:
         assert_same_tokens(model, config)
-    finally:
-        logger.removeHandler(handler)
     graph = summary.graphs()[0]
     assert kinds() == ["decode-replay"] and graph.copies_refused > 0, kwker.report()
     assert (graph.copies == 0) if fits == "none" else (0 < graph.copies < all_copies), kwker.report()
@@ -466,8 +474,11 @@ def test_kwker_copy_memory_bounds_the_copies_of_all_plans_together_in_place_of_t
     first, detail = plan_over_new_weights()
     assert detail["copies"] == 1 and not detail["copies_refused"]
     assert weights.memory_for_copies() == 96
-    _, detail = plan_over_new_weights()  # the first plan's copy takes the room
+    monkeypatch.setattr(weights, "_warned_memory", False)  # warned once a process
+    with logged("kwker.weights") as records:
+        _, detail = plan_over_new_weights()  # the first plan's copy takes the room
     assert detail["copies"] == 0 and detail["copies_refused"] == one + 64
+    assert any("KWKER_COPY_MEMORY less the copies made before" in r.getMessage() for r in records), records
     del first
     gc.collect()
     assert plan_over_new_weights()[1]["copies"] == 1
@@ -931,21 +942,14 @@ def test_a_kwker_error_compiling_a_decode_step_is_logged_and_the_step_compiled_e
     """Never a failed compile: JetMoE's step once raised AttributeError in the
     lowering (a SymInt read by a step) and torch.compile failed with it. (A
     handler of the test's own: the sanitized run has no caplog.)"""
-    import logging
-
     import kwker.dynamo_backend as backend
 
     def broken(*args, **kwargs):
         raise AttributeError("a lowering bug")
 
     monkeypatch.setattr(backend, "compile_decode_step", broken)
-    records, handler, logger = [], logging.Handler(logging.WARNING), logging.getLogger("kwker.dynamo_backend")
-    handler.emit = records.append
-    logger.addHandler(handler)
-    try:
+    with logged("kwker.dynamo_backend") as records:
         assert_same_tokens(small_model("llama"), kwker.compile_config())
-    finally:
-        logger.removeHandler(handler)
     assert any("AttributeError: a lowering bug" in r.getMessage() for r in records)
     assert "decode-replay" not in kinds() and kinds(), kwker.report()
 
