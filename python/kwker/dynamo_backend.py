@@ -66,7 +66,10 @@ def compile_routed(path: str, gm, example_inputs, opts: KwkerOptions):
         return tune_inference(gm, example_inputs, opts)
     if path == "training" and opts.inner is None:
         return tune_training(gm, example_inputs, opts)
-    if path == "training" and opts.inner == "eager":  # kwker's ops have no backward: not rewritten
+    if path == "training-dynamic" and opts.inner is None:
+        inductor = compile_with_inductor(gm, example_inputs, opts)
+        return "inductor", TunedAtALaterCall(gm, opts, [], training=True, inductor=inductor), detail
+    if path in ("training", "training-dynamic") and opts.inner == "eager":  # kwker's ops have no backward
         return "eager", gm, {"why": "a training graph run eagerly (inner='eager'), not rewritten"}
     if path in ("decode", "cpu-inference") and opts.inner is not None:
         try:
@@ -175,13 +178,17 @@ class TunedAtALaterCall:
     first, on inputs detached, its writes put back) and run eagerly while that
     raises; the candidate kept at the first call it does not serves every later
     call. Before, it ran eagerly until torch._dynamo.reset(): a first batch
-    with a label past the classes kept a whole training run at eager's speed."""
+    with a label past the classes kept a whole training run at eager's speed.
+    A training graph with dynamic shapes (inductor: Inductor's compile of it)
+    is tuned so at its first call, as it is: Inductor's graph or eager's, each
+    serving every size (_tuned_training)."""
 
     checked_args = frozenset()  # for kwker.guards: the guards noted at the compile are all kept
 
-    def __init__(self, gm: torch.fx.GraphModule, opts: KwkerOptions, written: list[int], training: bool = False):
+    def __init__(self, gm: torch.fx.GraphModule, opts: KwkerOptions, written: list[int], training: bool = False,
+                 inductor=None):
         self.gm, self.opts, self.written = gm, opts, frozenset(written)  # written: indices of the inputs
-        self.training = training
+        self.training, self.inductor = training, inductor
         self.fn, self._lock = None, ForkSafeLock()
 
     def __call__(self, *args):
@@ -197,7 +204,7 @@ class TunedAtALaterCall:
         if self.training:
             start = time.perf_counter()
             try:
-                return self._keep(*_tuned_training(self.gm, inputs, self.opts), start)
+                return self._keep(*_tuned_training(self.gm, inputs, self.opts, self.inductor), start)
             except TruthFailed:  # raised again: this call runs eagerly, and raises eager's error
                 return quiet(self.gm)
         written = [inputs[i] for i in self.written]
@@ -215,7 +222,8 @@ class TunedAtALaterCall:
 
     def _keep(self, kind: str, fn, detail: dict, start: float):
         seconds = time.perf_counter() - start
-        why = "its first call raised run eagerly; tuned at the first later call that did not"
+        why = "its first call raised run eagerly; tuned at the first later call that did not" \
+            if self.inductor is None else "a training graph with dynamic shapes, tuned at its first call that ran"
         entry = summary.record(kind=kind, nodes=len(self.gm.graph.nodes), seconds=seconds, reason=why, **detail)
         log.info("graph %d (%d nodes): %s in %.2f s — %s", entry.index, entry.nodes, kind, seconds, entry.why)
         self.fn = fn
@@ -325,8 +333,15 @@ def tune_training(gm: torch.fx.GraphModule, example_inputs, opts: KwkerOptions):
         return raised_run_eagerly(e, TunedAtALaterCall(gm, opts, [], training=True))
 
 
-def _tuned_training(gm: torch.fx.GraphModule, example_inputs, opts: KwkerOptions):
-    """tune_training's; raises TruthFailed where eager's run raised."""
+def _tuned_training(gm: torch.fx.GraphModule, example_inputs, opts: KwkerOptions, inductor=None):
+    """tune_training's; raises TruthFailed where eager's run raised.
+    inductor: Inductor's compile of a graph with dynamic shapes, which serves
+    every size, checked and timed on these inputs as it is (one compiled for
+    their sizes would serve no other), and the choice not remembered (kwker.choices
+    keys a graph by its static shapes). Stock Inductor's gradients of
+    avg_pool2d(ceil_mode=True), wrong (pytorch#198119), were left out of a
+    training graph's first size and went unchecked into the graph Dynamo made
+    dynamic at its second, which then served every size, the first too."""
     def inductor_timed():
         # The backward compiled with the forward: compiled lazily, at the timing's
         # first backward, it would be compiled inside this compile, which Dynamo refuses.
@@ -337,11 +352,16 @@ def _tuned_training(gm: torch.fx.GraphModule, example_inputs, opts: KwkerOptions
         with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
             return compile_with_inductor(gm, example_inputs, opts, caches=False)
 
-    key = choices.key("training", gm, example_inputs, opts)
-    builders = {"inductor": lambda: compile_with_inductor(gm, example_inputs, opts), "eager": lambda: gm}
-    recalled = build_remembered("training", key, builders, {})
-    if recalled:
-        return recalled
+    if inductor is None:
+        key = choices.key("training", gm, example_inputs, opts)
+        builders = {"inductor": lambda: compile_with_inductor(gm, example_inputs, opts), "eager": lambda: gm}
+        recalled = build_remembered("training", key, builders, {})
+        if recalled:
+            return recalled
+        timed = {**builders, "inductor": inductor_timed}
+    else:
+        key, builders = None, {"inductor": lambda: inductor, "eager": lambda: gm}
+        timed = builders  # compiled and called as stock Inductor's is, its backward lazily
     with torch.no_grad():  # the forward's ATen ops are all that is read here
         aten_gm, written, why_not = traced(gm, example_inputs)
     if why_not is None and any(x.requires_grad for x in written):  # its value put back, not its autograd history
@@ -351,11 +371,11 @@ def _tuned_training(gm: torch.fx.GraphModule, example_inputs, opts: KwkerOptions
     if why_not is None and any(isinstance(x, torch.Tensor) and x._backward_hooks for x in example_inputs):
         why_not = "a training graph whose inputs have gradient hooks, which timing runs would call: not timed"
     if why_not:
-        return "inductor", compile_with_inductor(gm, example_inputs, opts), {"why": why_not}
-    choice = choose({**builders, "inductor": inductor_timed}, example_inputs, reference="inductor",
-                    truth="eager", run=ForwardAndBackward(), written=written,
-                    tolerance=output_tolerance(gm, example_inputs, TRAINING_TOLERANCE))
-    remember_unless_an_error(key, choice, None)
+        return "inductor", builders["inductor"](), {"why": why_not}
+    choice = choose(timed, example_inputs, reference="inductor", truth="eager", run=ForwardAndBackward(),
+                    written=written, tolerance=output_tolerance(gm, example_inputs, TRAINING_TOLERANCE))
+    if key is not None:
+        remember_unless_an_error(key, choice, None)
     # Inductor kept is compiled again as stock Inductor compiles it, its backward lazily: the
     # timed one's, compiled before any backward said whether it keeps the graph, takes
     # the saved tensors' buffers for its own and refuses backward(retain_graph=True) and

@@ -14,7 +14,7 @@ KERNEL_FLOAT_DTYPES = frozenset({torch.float32, torch.bfloat16})
 
 @dataclass(frozen=True)
 class Route:
-    path: str  # "inductor-unchanged", "inductor", "eager", "decode", "cpu-inference" or "training"
+    path: str  # "inductor-unchanged", "inductor", "eager", "decode", "cpu-inference", "training" or "training-dynamic"
     reason: str
 
 
@@ -95,7 +95,8 @@ def route_graph(gm: torch.fx.GraphModule, example_inputs, grad_enabled: bool = F
     dynamic = Route("inductor", "dynamic shapes: kwker's rewrites, plans and timings need static shapes")
     if grad_enabled and any(isinstance(x, torch.Tensor) and x.requires_grad for x in example_inputs):
         if symbolic_tensor(example_inputs) or size_inputs(example_inputs):
-            return dynamic
+            return Route("training-dynamic", "a training graph with dynamic shapes: Inductor's graph for every size, "
+                                             "checked against eager and timed at its first call")
         return Route("training", "a training graph (grad enabled, an input requires grad)")
     if symbolic_tensor(example_inputs):
         return dynamic

@@ -978,6 +978,28 @@ def test_a_candidate_that_disagrees_with_eager_is_left_out_even_inductor():
     assert graph.choice == "eager" and "differs from eager's" in graph.left_out["inductor"], kwker.report()
 
 
+def test_a_training_graph_made_dynamic_is_checked_against_eager_at_its_first_call():
+    """A second batch size makes Dynamo compile the graph again with dynamic
+    shapes, and that graph then serves every size, the first too. It went to
+    stock Inductor unchecked: after a smaller last batch, every gradient of a
+    net with avg_pool2d(ceil_mode=True) was Inductor's, 0.35-0.46 off eager's
+    (pytorch#198119; a hostile pass). Now its first call checks and times it,
+    as a training graph's first call is."""
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.AvgPool2d(2, ceil_mode=True),
+                              torch.nn.Flatten(), torch.nn.Linear(4 * 4 * 4, 5))
+    compiled = torch.compile(copy.deepcopy(net), backend="kwker")
+    for batch in (4, 3, 4, 2):
+        x = torch.randn(batch, 3, 7, 7)
+        want = torch.autograd.grad(net(x).square().sum(), list(net.parameters()))
+        got = torch.autograd.grad(compiled(x).square().sum(), list(compiled.parameters()))
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+    static, dynamic, checked = summary.graphs()
+    assert dynamic.kind == "inductor" and "dynamic shapes" in dynamic.why, kwker.report()
+    assert checked.kind == "training" and checked.choice == "eager", kwker.report()
+    assert "differs from eager's" in checked.left_out["inductor"], kwker.report()
+
+
 # A plan's outputs against eager's, by dtype.
 PLAN_TOLERANCE = {torch.float32: dict(rtol=1e-4, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
 
