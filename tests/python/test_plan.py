@@ -252,8 +252,8 @@ def test_a_source_moved_again_after_its_refresh_is_read_as_copied_and_copied_aga
     while a call refreshes: the source moves again after each refresh saw it
     current. The call read the copy as the last refresh made it, but raised
     that the refresh had left it out of date (20 requests of 20, a hostile
-    pass's reproducer); eager ran. Moved to another layout, it still raises:
-    the refresh must see that."""
+    pass's reproducer); eager ran. Moved to another layout, it still raises
+    (the refresh must see that), naming the other layout, not kwker's fault."""
     moves = []
 
     def move_again(source):
@@ -274,7 +274,7 @@ def test_a_source_moved_again_after_its_refresh_is_read_as_copied_and_copied_aga
 
     plan, source, _ = copying_plan(after_refresh=relay)
     source.data = source.detach().clone()
-    with pytest.raises(_C.PlanError, match="left a copied weight out of date"):
+    with pytest.raises(_C.PlanError, match="replaced by a tensor of another type or layout during the call"):
         plan(x, source)
 
 

@@ -330,13 +330,15 @@ static PyObject *args_tuple(PyObject *const *args, Py_ssize_t n) {
     return t;
 }
 
-/* 1 when every source that differs was seen current after the last refresh
+/* RACED when every source that differs was seen current after the last refresh
  * began, at epoch `since` (its watch made, armed again or matched since:
  * the refresh packed its copy, or found it fresh, and so did a rebuild), and
  * was then written, or moved to memory of the same type and layout, by
- * another thread. 0 for any other difference: a float input's value, a tensor
- * of another type or layout (which a refresh must see), a source that no
- * refresh saw current (kwker's own fault); -1 with an exception. */
+ * another thread. REMADE when one seen current was then replaced by a tensor
+ * of another type or layout, which a refresh must see. 0 for any other
+ * difference: a float input's value, a source that no refresh saw current
+ * (kwker's own fault); -1 with an exception. */
+enum { RACED = 1, REMADE };
 static int changed_since_current(const kw__state *s, PyObject *const *args, uint64_t since) {
     for (int i = 0; i < s->n_src; i++) {
         const struct kw__watched *w = &s->src[i];
@@ -349,9 +351,10 @@ static int changed_since_current(const kw__state *s, PyObject *const *args, uint
         if (moved < 0) return -1;
         const struct kw_watch *m = kw__watch_memory(w->watch);
         if (!moved && !(m && kw_watch_changed(m))) continue;
-        if (moved == KW__WATCH_REMADE || !kw__watch_current_since(w->watch, since)) return 0;
+        if (!kw__watch_current_since(w->watch, since)) return 0;
+        if (moved == KW__WATCH_REMADE) return REMADE;
     }
-    return 1;
+    return RACED;
 }
 
 /* One refresh(args): the copies packed again, or a rebuilt Plan that p adopts. 0; -1 with an exception. */
@@ -410,8 +413,12 @@ static int update_sources(PlanObject *p, PyObject *const *args, Py_ssize_t nargs
         }
         if (attempt == 2) {
             const int raced = changed_since_current(s, args, since);
-            if (!raced) kw__plan_error(KW_ESTATE, "the plan's refresh left a copied weight out of date");
-            rc = raced > 0 ? 0 : -1;
+            if (raced == REMADE)
+                kw__plan_error(KW_ESTATE, "a weight the plan copies was replaced by a tensor of another type or "
+                                          "layout during the call, after its refresh (by another thread?)");
+            else if (!raced)
+                kw__plan_error(KW_ESTATE, "the plan's refresh left a copied weight out of date");
+            rc = raced == RACED ? 0 : -1;
             break;
         }
         since = kw__watch_epoch_next();
