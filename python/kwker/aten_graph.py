@@ -7,7 +7,10 @@ the model's Python looked like), and the replay lowering reads views and
 storages from these values.
 """
 
+import contextlib
 import copy
+import logging
+import threading
 
 import torch
 from torch._decomp import decompositions
@@ -51,7 +54,8 @@ def trace_to_aten(gm: torch.fx.GraphModule, example_inputs) -> torch.fx.GraphMod
             # function then raised "Detected that you are using FX to symbolically trace a
             # dynamo-optimized function" unless a compile session is marked too; the lock keeps
             # two such traces from unmarking each other.
-            with compile_lock, torch.compiler._compile_session_context(), _RealWritesRefused():
+            with compile_lock, torch.compiler._compile_session_context(), _RealWritesRefused(), \
+                    _meta_errors_unlogged():
                 return make_fx(gm, tracing_mode="real", _disable_torch_fn_metadata_mode=True)(*fake_inputs)
         except _RealWrite as e:
             raise NotLowerable(str(e)) from e
@@ -59,6 +63,26 @@ def trace_to_aten(gm: torch.fx.GraphModule, example_inputs) -> torch.fx.GraphMod
             raise NotLowerable(f"kwker's ATen trace failed ({type(e).__name__}: {e})") from e
         finally:
             fake_mode.allow_scalar_outputs = allowed
+
+
+@contextlib.contextmanager
+def _meta_errors_unlogged():
+    """The fake mode logs, at ERROR with its traceback, each op whose meta
+    function raises (a zero-size batch's upsample_nearest2d: 41 lines) before
+    it raises. Of this thread's trace, the error is kwker's to report: the
+    graph goes elsewhere with it as the reason (NotLowerable), and the graph
+    that works printed tracebacks that stock Inductor does not."""
+    thread = threading.get_ident()
+
+    def elsewhere(record: logging.LogRecord) -> bool:
+        return record.thread != thread
+
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    logger.addFilter(elsewhere)
+    try:
+        yield
+    finally:
+        logger.removeFilter(elsewhere)
 
 
 def _with_checks_decomposed(gm):

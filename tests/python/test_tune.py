@@ -1000,6 +1000,31 @@ def test_a_training_graph_made_dynamic_is_checked_against_eager_at_its_first_cal
     assert "differs from eager's" in checked.left_out["inductor"], kwker.report()
 
 
+def test_a_graph_kwkers_trace_cannot_follow_goes_to_inductor_without_the_fake_modes_tracebacks():
+    """A zero-size batch's upsample_nearest2d fails its meta function in
+    kwker's trace; the fake mode logged it at ERROR with its traceback (41
+    lines on stderr) for a graph that then ran right on Inductor, where stock
+    Inductor prints nothing (a hostile pass). The reason is kwker's report's."""
+    conv = torch.nn.Conv2d(3, 4, 3, padding=1).eval()
+
+    def upsampled(x):
+        return torch.nn.functional.interpolate(conv(x), scale_factor=2, mode="nearest").mean((2, 3))
+
+    records, handler = [], logging.Handler(logging.DEBUG)
+    handler.emit = records.append
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    logger.addHandler(handler)
+    try:
+        with torch.no_grad():
+            x = torch.randn(0, 3, 8, 8)
+            torch.testing.assert_close(torch.compile(upsampled, backend="kwker")(x), upsampled(x))
+    finally:
+        logger.removeHandler(handler)
+    assert not [r for r in records if r.levelno >= logging.ERROR], [r.getMessage() for r in records]
+    (graph,) = summary.graphs()
+    assert graph.kind == "inductor" and "kwker's ATen trace failed" in graph.why, kwker.report()
+
+
 # A plan's outputs against eager's, by dtype.
 PLAN_TOLERANCE = {torch.float32: dict(rtol=1e-4, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
 
