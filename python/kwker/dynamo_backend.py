@@ -60,15 +60,15 @@ def compile_routed(path: str, gm, example_inputs, opts: KwkerOptions):
                 log.warning("kwker: a decode step it failed to compile goes elsewhere (%s: %s)", type(e).__name__, e,
                             exc_info=True)
             detail["why"] = f"decode step not replayable: {e}"
-            # tuned as other inference graphs, unless Dynamo made sizes inputs (timings need static shapes)
-            path = "inductor" if size_inputs(example_inputs) else "cpu-inference"
+            # tuned as other inference graphs (of dynamic shapes where Dynamo made sizes inputs)
+            path = "inference-dynamic" if size_inputs(example_inputs) else "cpu-inference"
     if path == "cpu-inference" and opts.inner is None:
         return tune_inference(gm, example_inputs, opts)
     if path == "training" and opts.inner is None:
         return tune_training(gm, example_inputs, opts)
-    if path == "training-dynamic" and opts.inner is None:
+    if path in ("inference-dynamic", "training-dynamic") and opts.inner is None:
         inductor = compile_with_inductor(gm, example_inputs, opts)
-        return "inductor", TunedAtALaterCall(gm, opts, [], training=True, inductor=inductor), detail
+        return "inductor", TunedAtALaterCall(gm, opts, [], path == "training-dynamic", inductor), detail
     if path in ("training", "training-dynamic") and opts.inner == "eager":  # kwker's ops have no backward
         return "eager", gm, {"why": "a training graph run eagerly (inner='eager'), not rewritten"}
     if path in ("decode", "cpu-inference") and opts.inner is not None:
@@ -179,9 +179,11 @@ class TunedAtALaterCall:
     raises; the candidate kept at the first call it does not serves every later
     call. Before, it ran eagerly until torch._dynamo.reset(): a first batch
     with a label past the classes kept a whole training run at eager's speed.
-    A training graph with dynamic shapes (inductor: Inductor's compile of it)
-    is tuned so at its first call, as it is: Inductor's graph or eager's, each
-    serving every size (_tuned_training)."""
+    A graph with dynamic shapes (inductor: Inductor's compile of it) is tuned
+    at its first call, as it is: Inductor's graph or eager's, each serving
+    every size (_tuned_training, _tuned_dynamic). It went to Inductor
+    unchecked, and a training graph Inductor's gradients left out at its first
+    size got them from its second size on."""
 
     checked_args = frozenset()  # for kwker.guards: the guards noted at the compile are all kept
 
@@ -201,6 +203,12 @@ class TunedAtALaterCall:
     def _tuned(self, inputs: list):
         """What serves this call: the candidate kept, else (eager's run in the
         tuning raised where the one on copies did not) the graph run eagerly."""
+        if self.inductor is not None and not self.training:
+            start = time.perf_counter()
+            try:
+                return self._keep(*_tuned_dynamic(self.gm, self.inductor, inputs), start)
+            except TruthFailed:  # this call runs eagerly, and raises eager's error
+                return quiet(self.gm)
         if self.training:
             start = time.perf_counter()
             try:
@@ -223,11 +231,28 @@ class TunedAtALaterCall:
     def _keep(self, kind: str, fn, detail: dict, start: float):
         seconds = time.perf_counter() - start
         why = "its first call raised run eagerly; tuned at the first later call that did not" \
-            if self.inductor is None else "a training graph with dynamic shapes, tuned at its first call that ran"
+            if self.inductor is None else "a graph with dynamic shapes, tuned at its first call that ran"
         entry = summary.record(kind=kind, nodes=len(self.gm.graph.nodes), seconds=seconds, reason=why, **detail)
         log.info("graph %d (%d nodes): %s in %.2f s — %s", entry.index, entry.nodes, kind, seconds, entry.why)
         self.fn = fn
         return fn
+
+
+def _tuned_dynamic(gm: torch.fx.GraphModule, inductor, inputs: list):
+    """An inference graph with dynamic shapes, at its first call: Inductor's
+    compile of it (which serves every size) and Dynamo's graph run eagerly,
+    checked and timed on the call's inputs (their writes put back), the
+    fastest kept; raises TruthFailed where eager's run raises. Only these two:
+    kwker's plans and a frozen graph need static shapes. Not remembered
+    (kwker.choices keys a graph by its static shapes). A graph tune_inference
+    would not time (traced's why) keeps Inductor's."""
+    aten_gm, written, why_not = traced(gm, inputs)
+    if why_not:
+        return "inductor", inductor, {"why": why_not}
+    choice = choose({"inductor": lambda: inductor, "eager": lambda: gm}, inputs, reference="inductor",
+                    truth="eager", written=written, tolerance=output_tolerance(gm, inputs, TOLERANCE))
+    return "tuned", choice.fn, {"candidates": choice.ms, "choice": choice.name, "left_out": choice.left_out,
+                                "busy": choice.busy}
 
 
 def _on_copied_storages(inputs: list, tensors: list[torch.Tensor]) -> list:

@@ -1000,6 +1000,34 @@ def test_a_training_graph_made_dynamic_is_checked_against_eager_at_its_first_cal
     assert "differs from eager's" in checked.left_out["inductor"], kwker.report()
 
 
+def test_an_inference_graph_made_dynamic_is_checked_against_eager_at_its_first_call(monkeypatch):
+    """The same for an inference graph: Dynamo's graph for a second size
+    serves every size, and Inductor's compile of it went unchecked. Here
+    Inductor's dynamic graph is made wrong (its outputs one off): its first
+    call leaves it out, and every size gets eager's."""
+    import kwker.dynamo_backend as backend
+
+    stock = backend.compile_with_inductor
+
+    def one_off_when_dynamic(gm, example_inputs, *args, **kwargs):
+        fn = stock(gm, example_inputs, *args, **kwargs)
+        if not any(isinstance(x, torch.SymInt) for x in example_inputs):
+            return fn
+        return lambda *a: [t + 1 for t in fn(*a)]
+
+    monkeypatch.setattr(backend, "compile_with_inductor", one_off_when_dynamic)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4)).eval()
+    compiled = torch.compile(net, backend="kwker")
+    with torch.no_grad():
+        for batch in (3, 5, 3, 7):
+            x = torch.randn(batch, 8)
+            torch.testing.assert_close(compiled(x), net(x))
+    static, dynamic, checked = summary.graphs()
+    assert dynamic.kind == "inductor" and "dynamic shapes" in dynamic.why, kwker.report()
+    assert checked.kind == "tuned" and checked.choice == "eager", kwker.report()
+    assert "differs from eager's" in checked.left_out["inductor"], kwker.report()
+
+
 def test_a_graph_kwkers_trace_cannot_follow_goes_to_inductor_without_the_fake_modes_tracebacks():
     """A zero-size batch's upsample_nearest2d fails its meta function in
     kwker's trace; the fake mode logged it at ERROR with its traceback (41
