@@ -119,13 +119,16 @@ def tune_inference(gm: torch.fx.GraphModule, example_inputs, opts: KwkerOptions)
     if why_not:
         return "inductor", compile_with_inductor(gm, example_inputs, opts), {"why": why_not}
     unfit, arena = unfit_for_kernels(gm, example_inputs), None
+    builders["plan"] = functools.partial(_not_lowerable, unfit)
     try:
-        arena = None if unfit else reserve_weights(gm, example_inputs, shares=False)  # faults in while Inductor compiles
-    except Exception as e:  # a bug of kwker's: the plan is left out, the other candidates timed
+        if not unfit:
+            arena = reserve_weights(gm, example_inputs, shares=False)  # faults in while Inductor compiles
+            builders["plan"] = functools.partial(build_plan, aten_gm=aten_gm, arena=arena)
+    except Exception as e:  # noqa: BLE001 - the plan is left out by this error, the other candidates timed
+        # Not NotLowerable: the error may be the moment's (memory, a setting), and a choice made
+        # without the plan is then not remembered (remember_unless_an_error).
         log.warning("kwker: reserving its plan's weight copies failed; the other candidates are timed", exc_info=True)
-        unfit = f"reserving its weight copies failed ({type(e).__name__}: {e})"
-    builders["plan"] = functools.partial(build_plan, aten_gm=aten_gm, arena=arena) if not unfit else \
-        functools.partial(_not_lowerable, unfit)
+        builders["plan"] = functools.partial(_raise, e)
     if not worth_freezing(aten_gm) or written:  # a written tensor is no constant
         del builders["frozen"]
     try:
@@ -311,6 +314,10 @@ _warned_busy = False
 
 def _not_lowerable(why: str):
     raise NotLowerable(why)
+
+
+def _raise(e: Exception):
+    raise e
 
 
 def build_remembered(kind: str, key: str, builders: dict, plan_detail: dict):

@@ -77,6 +77,24 @@ def test_a_training_graph_tuned_before_is_built_as_chosen(monkeypatch):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
 
 
+def test_a_choice_made_while_reserving_the_plans_copies_failed_is_not_remembered(monkeypatch):
+    """An error reserving the plan's weight copies may be the moment's (memory;
+    a KWKER_COPY_MEMORY of 400 digits overflowed a float): it was taken for a
+    plan kwker does not build (NotLowerable), and the choice made without the
+    plan was remembered, keeping the plan out of every later process (a
+    hostile pass). The plan is left out with the error, as a failed build is."""
+    def failing(*args, **kwargs):
+        raise MemoryError("no room at the moment")
+
+    monkeypatch.setattr(kwker.dynamo_backend, "reserve_weights", failing)
+    model, x = mlp(), torch.randn(8, 64)
+    with torch.no_grad():
+        out, graph = compile_and_run(model, x)
+        torch.testing.assert_close(out, model(x), rtol=1e-4, atol=1e-5)
+    assert "MemoryError: no room at the moment" in graph.left_out["plan"], kwker.report()
+    assert graph.kind == "tuned" and records() == [], kwker.report()
+
+
 def captured_graph(model, *inputs):
     """Dynamo's graph of model and its example inputs."""
     seen = []
