@@ -36,6 +36,7 @@ lower.py asks the kernel to back weights read as stored with huge pages, in
 place (contents unchanged).
 """
 
+import decimal
 import functools
 import logging
 import math
@@ -258,7 +259,7 @@ class WeightArena:
         a plan that copies nothing (a graph without weights, each new size of
         a model's steps that shares its copies) reads no file for it. Notes
         where it came from, for close()'s warning."""
-        self.budget_set = copy_memory_setting() is not None
+        self.budget_setting = copy_memory_setting()
         return max(memory_for_copies(), 0)
 
     def admit(self, copies: list[tuple[list[str], Storage]], params: dict[str, torch.Tensor]) -> bool:
@@ -326,20 +327,23 @@ class WeightArena:
         self._scratch = torch.empty(0)
         if self.refused:
             global _warned_memory
-            left = "KWKER_COPY_MEMORY less the copies made before" if self.budget_set else \
+            left = "KWKER_COPY_MEMORY less the copies made before" if self.budget_setting is not None else \
                 "what is available less what the process may still need; KWKER_COPY_MEMORY sets it"
-            (log.info if _warned_memory else log.warning)(
+            quiet = _warned_memory or self.budget_setting == 0  # KWKER_COPY_MEMORY=0: none asked for
+            (log.info if quiet else log.warning)(
                 "kwker: %s of the graph's weight copies would not fit in the memory left for them (%s: %s); %s were "
                 "made, and the weights of the rest are read as stored", size(self.refused), size(self.budget), left,
                 size(self.taken))
-            _warned_memory = True
+            _warned_memory = _warned_memory or not quiet
 
 
 _warned_memory = False  # the first graph whose copies did not all fit is warned about, the others logged
 
 
 def size(nbytes: int) -> str:
-    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
+    if nbytes >= 2**30:
+        return f"{nbytes / 2**30:.2f} GiB"
+    return f"{nbytes / 2**20:.1f} MiB" if nbytes >= 2**20 else f"{nbytes / 2**10:.1f} KiB"
 
 
 def memory_for_copies() -> int:
@@ -380,11 +384,12 @@ def copy_memory_setting() -> int | None:
     copies (each halves the bytes a bf16-valued float32 weight reads at every
     token) or fewer. None where it is unset, or not understood (warned once)."""
     value = os.environ.get("KWKER_COPY_MEMORY")
-    if value is None:
+    if not value:  # unset or empty, as KWKER_CACHE_DIR
         return None
-    found = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([kmgt]?)(?:i?b)?\s*", value, re.IGNORECASE)
-    if found and (found[2] or "." not in found[1]):
-        return int(float(found[1]) * _UNITS[found[2].lower()])
+    found = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([kmgt]?)(?:i?b)?\s*", value, re.IGNORECASE | re.ASCII)
+    if found and (found[2] or "." not in found[1]):  # exact, however many digits (a float overflowed)
+        with decimal.localcontext(prec=len(found[1]) + 16):
+            return int(decimal.Decimal(found[1]) * _UNITS[found[2].lower()])
     if value not in _warned_setting:
         _warned_setting.add(value)
         warnings.warn(f"kwker: KWKER_COPY_MEMORY={value!r} is not a size (bytes, or a number with K, M, G or T: "

@@ -484,10 +484,14 @@ def test_kwker_copy_memory_bounds_the_copies_of_all_plans_together_in_place_of_t
     assert plan_over_new_weights()[1]["copies"] == 1
     monkeypatch.setenv("KWKER_COPY_MEMORY", "0")
     assert plan_over_new_weights()[1]["copies"] == 0
-    monkeypatch.setenv("KWKER_COPY_MEMORY", "3 gigs")
-    with pytest.warns(UserWarning, match=r"KWKER_COPY_MEMORY='3 gigs' is not a size"):
-        assert weights.copy_memory_setting() is None
-    for value, nbytes in (("3G", 3 << 30), ("1.5GiB", 3 << 29), ("512 mb", 512 << 20), ("4096", 4096)):
+    for value in ("3 gigs", "１２", "٣"):  # digits other than ASCII's too
+        monkeypatch.setenv("KWKER_COPY_MEMORY", value)
+        with pytest.warns(UserWarning, match=f"KWKER_COPY_MEMORY='{value}' is not a size"):
+            assert weights.copy_memory_setting() is None
+    monkeypatch.setenv("KWKER_COPY_MEMORY", "")  # unset, as an empty KWKER_CACHE_DIR
+    assert weights.copy_memory_setting() is None
+    for value, nbytes in (("3G", 3 << 30), ("1.5GiB", 3 << 29), ("512 mb", 512 << 20), ("4096", 4096),
+                          ("9" * 400, 10**400 - 1), ("9" * 400 + ".5K", (10**400 << 10) - 512)):  # float's raised OverflowError
         monkeypatch.setenv("KWKER_COPY_MEMORY", value)
         assert weights.copy_memory_setting() == nbytes
 
