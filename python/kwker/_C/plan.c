@@ -340,6 +340,7 @@ static PyObject *args_tuple(PyObject *const *args, Py_ssize_t n) {
  * (kwker's own fault); -1 with an exception. */
 enum { RACED = 1, REMADE };
 static int changed_since_current(const kw__state *s, PyObject *const *args, uint64_t since) {
+    int found = RACED; /* REMADE once a source is: kwker's own fault, found later, still wins */
     for (int i = 0; i < s->n_src; i++) {
         const struct kw__watched *w = &s->src[i];
         if (!w->watch) {
@@ -352,9 +353,9 @@ static int changed_since_current(const kw__state *s, PyObject *const *args, uint
         const struct kw_watch *m = kw__watch_memory(w->watch);
         if (!moved && !(m && kw_watch_changed(m))) continue;
         if (!kw__watch_current_since(w->watch, since)) return 0;
-        if (moved == KW__WATCH_REMADE) return REMADE;
+        if (moved == KW__WATCH_REMADE) found = REMADE;
     }
-    return RACED;
+    return found;
 }
 
 /* One refresh(args): the copies packed again, or a rebuilt Plan that p adopts. 0; -1 with an exception. */
