@@ -36,7 +36,7 @@ lower.py asks the kernel to back weights read as stored with huge pages, in
 place (contents unchanged).
 """
 
-import decimal
+import fractions
 import functools
 import logging
 import math
@@ -388,8 +388,7 @@ def copy_memory_setting() -> int | None:
         return None
     found = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([kmgt]?)(?:i?b)?\s*", value, re.IGNORECASE | re.ASCII)
     if found and (found[2] or "." not in found[1]):  # exact, however many digits (a float overflowed)
-        with decimal.localcontext(prec=len(found[1]) + 16):
-            return int(decimal.Decimal(found[1]) * _UNITS[found[2].lower()])
+        return int(fractions.Fraction(found[1]) * _UNITS[found[2].lower()])
     if value not in _warned_setting:
         _warned_setting.add(value)
         warnings.warn(f"kwker: KWKER_COPY_MEMORY={value!r} is not a size (bytes, or a number with K, M, G or T: "
