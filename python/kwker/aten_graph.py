@@ -65,24 +65,30 @@ def trace_to_aten(gm: torch.fx.GraphModule, example_inputs) -> torch.fx.GraphMod
             fake_mode.allow_scalar_outputs = allowed
 
 
+_tracing = threading.local()
+
+
+def _not_of_this_trace(record: logging.LogRecord) -> bool:
+    """A filter: drops the fake mode's errors logged in a thread inside kwker's trace."""
+    return record.levelno < logging.ERROR or not getattr(_tracing, "active", False)
+
+
+logging.getLogger("torch._subclasses.fake_tensor").addFilter(_not_of_this_trace)
+
+
 @contextlib.contextmanager
 def _meta_errors_unlogged():
     """The fake mode logs, at ERROR with its traceback, each op whose meta
     function raises (a zero-size batch's upsample_nearest2d: 41 lines) before
     it raises. Of this thread's trace, the error is kwker's to report: the
     graph goes elsewhere with it as the reason (NotLowerable), and the graph
-    that works printed tracebacks that stock Inductor does not."""
-    thread = threading.get_ident()
-
-    def elsewhere(record: logging.LogRecord) -> bool:
-        return record.thread != thread
-
-    logger = logging.getLogger("torch._subclasses.fake_tensor")
-    logger.addFilter(elsewhere)
+    that works printed tracebacks that stock Inductor does not. (A filter
+    reads where it is called: the thread that logs.)"""
+    _tracing.active = True
     try:
         yield
     finally:
-        logger.removeFilter(elsewhere)
+        _tracing.active = False
 
 
 def _with_checks_decomposed(gm):
