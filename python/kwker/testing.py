@@ -2,8 +2,10 @@
 token-equality tests and benchmarks. Nothing is downloaded: the configs are
 written out here, shaped like the checkpoints they are named after. And
 memory shared with other processes, with a second mapping of it through which
-tests write as another process does."""
+tests write as another process does. And the records a logger emits meanwhile."""
 
+import contextlib
+import logging
 import mmap
 from multiprocessing import shared_memory
 
@@ -153,3 +155,16 @@ def block_mapped_again(block: shared_memory.SharedMemory, t: torch.Tensor) -> to
     assert view.data_ptr() != t.data_ptr()
     view.attachment = again  # frombuffer does not keep the mapping: gone with it, a write would fault
     return view
+
+
+@contextlib.contextmanager
+def logged(name: str, level: int = logging.WARNING):
+    """The records of `level` and above that logger `name` emits meanwhile (a
+    handler of the caller's own: the sanitized test run has no caplog)."""
+    records, handler, logger = [], logging.Handler(level), logging.getLogger(name)
+    handler.emit = records.append
+    logger.addHandler(handler)
+    try:
+        yield records
+    finally:
+        logger.removeHandler(handler)

@@ -3,10 +3,8 @@ share a step between threads, edit weights any way PyTorch allows, load another
 model, change dtypes, run out of cache — gives eager's tokens, or hands the
 graph to Inductor with the reason, or raises what eager raises."""
 
-import contextlib
 import functools
 import gc
-import logging
 import mmap
 import os
 import threading
@@ -18,26 +16,13 @@ from transformers import StaticCache
 
 import kwker
 from kwker import _C, summary, weights
-from kwker.testing import (_SMALL, block_mapped_again, in_shared_memory_block, make_config, mapped_again, random_model,
-                            small_model)
+from kwker.testing import (_SMALL, block_mapped_again, in_shared_memory_block, logged, make_config, mapped_again,
+                            random_model, small_model)
 
 pytestmark = pytest.mark.usefixtures("fresh_compile_state")
 
 PROMPT = torch.tensor([[3, 17, 42, 9, 7, 12, 5, 30]])
 
-
-
-@contextlib.contextmanager
-def logged(name: str):
-    """The warnings logger `name` emits meanwhile (a handler of the test's own:
-    the sanitized run has no caplog)."""
-    records, handler, logger = [], logging.Handler(logging.WARNING), logging.getLogger(name)
-    handler.emit = records.append
-    logger.addHandler(handler)
-    try:
-        yield records
-    finally:
-        logger.removeHandler(handler)
 
 def greedy(model, compile_config=None, new_tokens=12):
     return model.generate(PROMPT, max_new_tokens=new_tokens, do_sample=False, cache_implementation="static",
