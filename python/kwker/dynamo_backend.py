@@ -45,8 +45,11 @@ def compile_routed(path: str, gm, example_inputs, opts: KwkerOptions):
     fastest of Inductor, eager, kwker's plan and frozen Inductor), or its
     rewritten ATen graph is run eagerly (inner="eager") or compiled by Inductor
     (inner="inductor"); a training graph is tuned (Inductor or eager, forward
-    and backward timed), or run eagerly (inner="eager"); a graph routed to eager
-    (forward-mode AD) runs eagerly; everything else goes to Inductor unchanged."""
+    and backward timed), or run eagerly (inner="eager"); a graph of dynamic
+    shapes is compiled by Inductor and checked against eager at its first call
+    (TunedAtALaterCall), or a training one run eagerly (inner="eager"); a graph
+    routed to eager (forward-mode AD) runs eagerly; everything else goes to
+    Inductor unchanged."""
     detail = {}
     if path == "eager":
         return "eager", gm, detail
@@ -67,7 +70,16 @@ def compile_routed(path: str, gm, example_inputs, opts: KwkerOptions):
     if path == "training" and opts.inner is None:
         return tune_training(gm, example_inputs, opts)
     if path in ("inference-dynamic", "training-dynamic") and opts.inner is None:
-        inductor = compile_with_inductor(gm, example_inputs, opts)
+        try:
+            inductor = compile_with_inductor(gm, example_inputs, opts)
+        except Exception as e:  # noqa: BLE001 - eager, as the first size's tuning leaves a failed Inductor out
+            if not_the_candidates(e):
+                raise
+            why = f"dynamic shapes: Inductor's compile failed ({type(e).__name__}: {e}); run eagerly"
+            log.warning("kwker: %s", why)
+            return "eager", gm, {"why": why}
+        detail["why"] = "dynamic shapes: Inductor's graph for every size (kwker's plans need static shapes), " \
+                        "checked against eager at its first call"
         return "inductor", TunedAtALaterCall(gm, opts, [], path == "training-dynamic", inductor), detail
     if path in ("training", "training-dynamic") and opts.inner == "eager":  # kwker's ops have no backward
         return "eager", gm, {"why": "a training graph run eagerly (inner='eager'), not rewritten"}
@@ -206,17 +218,16 @@ class TunedAtALaterCall:
     def _tuned(self, inputs: list):
         """What serves this call: the candidate kept, else (eager's run in the
         tuning raised where the one on copies did not) the graph run eagerly."""
-        if self.inductor is not None and not self.training:
+        if self.inductor is not None or self.training:
             start = time.perf_counter()
             try:
-                return self._keep(*_tuned_dynamic(self.gm, self.inductor, inputs), start)
-            except TruthFailed:  # this call runs eagerly, and raises eager's error
-                return quiet(self.gm)
-        if self.training:
-            start = time.perf_counter()
-            try:
+                if not self.training:
+                    return self._keep(*_tuned_dynamic(self.gm, self.inductor, inputs), start)
                 return self._keep(*_tuned_training(self.gm, inputs, self.opts, self.inductor), start)
-            except TruthFailed:  # raised again: this call runs eagerly, and raises eager's error
+            except TruthFailed as e:  # this call runs eagerly, and raises eager's error
+                if self.inductor is not None:
+                    log.warning("kwker: a graph of dynamic shapes raised run eagerly on its first call's inputs (%s); "
+                                "it runs eagerly until a call that does not, where it is checked", e)
                 return quiet(self.gm)
         written = [inputs[i] for i in self.written]
         quiet(self.gm)(*_on_copied_storages(inputs, written))  # eager's error, if it raises again
@@ -234,7 +245,7 @@ class TunedAtALaterCall:
     def _keep(self, kind: str, fn, detail: dict, start: float):
         seconds = time.perf_counter() - start
         why = "its first call raised run eagerly; tuned at the first later call that did not" \
-            if self.inductor is None else "a graph with dynamic shapes, tuned at its first call that ran"
+            if self.inductor is None else "a graph of dynamic shapes, checked at its first call that ran"
         entry = summary.record(kind=kind, nodes=len(self.gm.graph.nodes), seconds=seconds, reason=why, **detail)
         log.info("graph %d (%d nodes): %s in %.2f s — %s", entry.index, entry.nodes, kind, seconds, entry.why)
         self.fn = fn
@@ -244,18 +255,28 @@ class TunedAtALaterCall:
 def _tuned_dynamic(gm: torch.fx.GraphModule, inductor, inputs: list):
     """An inference graph with dynamic shapes, at its first call: Inductor's
     compile of it (which serves every size) and Dynamo's graph run eagerly,
-    checked and timed on the call's inputs (their writes put back), the
-    fastest kept; raises TruthFailed where eager's run raises. Only these two:
-    kwker's plans and a frozen graph need static shapes. Not remembered
-    (kwker.choices keys a graph by its static shapes). A graph tune_inference
-    would not time (traced's why) keeps Inductor's."""
+    checked and timed on the call's inputs (their writes put back), and kept
+    as every_size_keeps says; raises TruthFailed where eager's run raises.
+    Only these two: kwker's plans and a frozen graph need static shapes. Not
+    remembered (kwker.choices keys a graph by its static shapes). A graph
+    tune_inference would not time (traced's why) keeps Inductor's."""
     aten_gm, written, why_not = traced(gm, inputs)
     if why_not:
         return "inductor", inductor, {"why": why_not}
     choice = choose({"inductor": lambda: inductor, "eager": lambda: gm}, inputs, reference="inductor",
                     truth="eager", written=written, tolerance=output_tolerance(gm, inputs, TOLERANCE))
-    return "tuned", choice.fn, {"candidates": choice.ms, "choice": choice.name, "left_out": choice.left_out,
-                                "busy": choice.busy}
+    kept = every_size_keeps(choice)
+    return "tuned", choice.built[kept], {"candidates": choice.ms, "choice": kept, "left_out": choice.left_out,
+                                         "busy": choice.busy}
+
+
+def every_size_keeps(choice) -> str:
+    """The candidate a graph of dynamic shapes keeps: Inductor's unless its
+    outputs differ from eager's or it failed, whichever was faster. The first
+    call's size is one of many (Dynamo makes a graph dynamic at its second
+    size: often an epoch's smaller last batch), and eager, faster at it, kept
+    a whole training run off Inductor's speed at its full batches."""
+    return "inductor" if "inductor" in choice.built else choice.name
 
 
 def _on_copied_storages(inputs: list, tensors: list[torch.Tensor]) -> list:
@@ -393,7 +414,7 @@ def _tuned_training(gm: torch.fx.GraphModule, example_inputs, opts: KwkerOptions
         timed = {**builders, "inductor": inductor_timed}
     else:
         key, builders = None, {"inductor": lambda: inductor, "eager": lambda: gm}
-        timed = builders  # compiled and called as stock Inductor's is, its backward lazily
+        timed = builders  # the compile that then serves the calls, as stock Inductor's does
     with torch.no_grad():  # the forward's ATen ops are all that is read here
         aten_gm, written, why_not = traced(gm, example_inputs)
     if why_not is None and any(x.requires_grad for x in written):  # its value put back, not its autograd history
@@ -402,6 +423,9 @@ def _tuned_training(gm: torch.fx.GraphModule, example_inputs, opts: KwkerOptions
         why_not = "a training graph that writes a view of a tensor: run once, not timed"
     if why_not is None and any(isinstance(x, torch.Tensor) and x._backward_hooks for x in example_inputs):
         why_not = "a training graph whose inputs have gradient hooks, which timing runs would call: not timed"
+    if why_not is None and torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+        # the user's pack and unpack hooks (an offload to disk, a count) ran 191 times at one call, not 4
+        why_not = "a training graph called inside saved_tensors_hooks, which timing runs would call: not timed"
     if why_not:
         return "inductor", builders["inductor"](), {"why": why_not}
     choice = choose(timed, example_inputs, reference="inductor", truth="eager", run=ForwardAndBackward(),
@@ -413,8 +437,9 @@ def _tuned_training(gm: torch.fx.GraphModule, example_inputs, opts: KwkerOptions
     # the saved tensors' buffers for its own and refuses backward(retain_graph=True) and
     # create_graph=True (a second compile of the forward: the timed one is kept out of
     # Inductor's caches, see inductor_timed).
-    kept = builders["inductor"]() if choice.name == "inductor" else choice.fn
-    return "training", kept, {"candidates": choice.ms, "choice": choice.name, "left_out": choice.left_out,
+    name = choice.name if inductor is None else every_size_keeps(choice)
+    kept = builders["inductor"]() if name == "inductor" else choice.fn
+    return "training", kept, {"candidates": choice.ms, "choice": name, "left_out": choice.left_out,
                               "busy": choice.busy}
 
 

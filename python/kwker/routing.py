@@ -94,12 +94,10 @@ def route_graph(gm: torch.fx.GraphModule, example_inputs, grad_enabled: bool = F
     if forward_ad_dual(example_inputs):
         return Route("eager", "a dual tensor of forward-mode AD: Dynamo's graph run eagerly carries its tangent, "
                               "which compiled kernels drop")
-    dynamic = Route("inference-dynamic", "dynamic shapes: Inductor's graph for every size, checked against eager "
-                                         "and timed at its first call (kwker's plans need static shapes)")
+    dynamic = Route("inference-dynamic", "dynamic shapes: kwker's plans need static shapes")
     if grad_enabled and any(isinstance(x, torch.Tensor) and x.requires_grad for x in example_inputs):
         if symbolic_tensor(example_inputs) or size_inputs(example_inputs):
-            return Route("training-dynamic", "a training graph with dynamic shapes: Inductor's graph for every size, "
-                                             "checked against eager and timed at its first call")
+            return Route("training-dynamic", "a training graph with dynamic shapes: kwker's plans need static shapes")
         return Route("training", "a training graph (grad enabled, an input requires grad)")
     if symbolic_tensor(example_inputs):
         return dynamic

@@ -91,7 +91,7 @@ def test_a_choice_made_while_reserving_the_plans_copies_failed_is_not_remembered
     with torch.no_grad():
         out, graph = compile_and_run(model, x)
         torch.testing.assert_close(out, model(x), rtol=1e-4, atol=1e-5)
-    assert "MemoryError: no room at the moment" in graph.left_out["plan"], kwker.report()
+    assert graph.left_out["plan"].startswith("MemoryError: no room at the moment"), kwker.report()  # not NotLowerable
     assert graph.kind == "tuned" and records() == [], kwker.report()
 
 

@@ -17,6 +17,7 @@ import torch
 import kwker
 import kwker.tune
 from kwker import summary
+from kwker.testing import logged
 from kwker.tune import MARGIN, SAMPLE_S, TRAINING_TOLERANCE, WARM_S, FirstCallServed, ForwardAndBackward, TruthFailed, call, choose
 from kwker.weights import HUGE_PAGES_BELOW_ROWS
 
@@ -1028,6 +1029,62 @@ def test_an_inference_graph_made_dynamic_is_checked_against_eager_at_its_first_c
     assert "differs from eager's" in checked.left_out["inductor"], kwker.report()
 
 
+def test_a_graph_made_dynamic_keeps_inductor_where_it_agrees_with_eager_whatever_the_first_calls_times():
+    """The first call's size is one of many (often an epoch's smaller last
+    batch): eager, faster at a tiny one, would serve every size. Inductor's
+    graph that agrees with eager's is kept; the times are only reported."""
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)).eval()
+    compiled = torch.compile(net, backend="kwker")
+    with torch.no_grad():
+        for batch in (3, 1, 64):
+            x = torch.randn(batch, 8)
+            torch.testing.assert_close(compiled(x), net(x))
+    checked = summary.graphs()[-1]
+    assert checked.choice == "inductor" and set(checked.candidates) == {"inductor", "eager"}, kwker.report()
+
+
+@pytest.mark.parametrize("first_size_inside", [True, False])
+def test_saved_tensors_hooks_are_called_by_the_users_call_alone_not_by_the_tuning(first_size_inside):
+    """The tuning's runs of a training graph, forward and backward, ran
+    inside the user's saved_tensors_hooks: pack and unpack were called 191
+    times at one call of a dynamic graph where eager calls them 5 times, 158
+    at a first call (a hostile pass). Such a graph is not timed, as one whose
+    inputs have gradient hooks."""
+    net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 8))
+    compiled = torch.compile(copy.deepcopy(net), backend="kwker")
+    if not first_size_inside:  # the second size's call, inside the hooks, is the dynamic graph's first
+        compiled(torch.randn(4, 32, requires_grad=True)).sum().backward()
+
+    def packs(model):
+        calls = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: calls.append(1) or t, lambda t: t):
+            model(torch.randn(6, 32, requires_grad=True)).sum().backward()
+        return len(calls)
+
+    assert 0 < packs(compiled) <= packs(net), kwker.report()
+    assert "saved_tensors_hooks" in summary.graphs()[-1].why, kwker.report()
+
+
+def test_a_graph_made_dynamic_that_inductor_fails_to_compile_runs_eagerly():
+    """Two overlapping views of an inference tensor, one written: Inductor's
+    compile fails (AOTAutograd's view merging), and the first size's tuning
+    kept eager, but the graph made dynamic at the second size failed
+    torch.compile at every later size (a hostile pass)."""
+    def f(a, b, w):
+        a.mul_(2)
+        return (b @ w).relu() + a.sum()
+
+    compiled, w = torch.compile(f, backend="kwker"), torch.randn(8, 8)
+    for n in (4, 6, 9):
+        with torch.inference_mode():
+            base = torch.randn(2 * n, 8)
+            want_base = base.clone()
+            want = f(want_base[:n], want_base[n // 2: n // 2 + n], w)
+            torch.testing.assert_close(compiled(base[:n], base[n // 2: n // 2 + n], w), want)
+            assert torch.equal(base, want_base)
+    assert any(g.kind == "eager" and "Inductor's compile failed" in g.why for g in summary.graphs()), kwker.report()
+
+
 def test_a_graph_kwkers_trace_cannot_follow_goes_to_inductor_without_the_fake_modes_tracebacks():
     """A zero-size batch's upsample_nearest2d fails its meta function in
     kwker's trace; the fake mode logged it at ERROR with its traceback (41
@@ -1038,17 +1095,10 @@ def test_a_graph_kwkers_trace_cannot_follow_goes_to_inductor_without_the_fake_mo
     def upsampled(x):
         return torch.nn.functional.interpolate(conv(x), scale_factor=2, mode="nearest").mean((2, 3))
 
-    records, handler = [], logging.Handler(logging.DEBUG)
-    handler.emit = records.append
-    logger = logging.getLogger("torch._subclasses.fake_tensor")
-    logger.addHandler(handler)
-    try:
-        with torch.no_grad():
-            x = torch.randn(0, 3, 8, 8)
-            torch.testing.assert_close(torch.compile(upsampled, backend="kwker")(x), upsampled(x))
-    finally:
-        logger.removeHandler(handler)
-    assert not [r for r in records if r.levelno >= logging.ERROR], [r.getMessage() for r in records]
+    with logged("torch._subclasses.fake_tensor", logging.ERROR) as records, torch.no_grad():
+        x = torch.randn(0, 3, 8, 8)
+        torch.testing.assert_close(torch.compile(upsampled, backend="kwker")(x), upsampled(x))
+    assert not records, [r.getMessage() for r in records]
     (graph,) = summary.graphs()
     assert graph.kind == "inductor" and "kwker's ATen trace failed" in graph.why, kwker.report()
 
