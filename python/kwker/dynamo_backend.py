@@ -75,11 +75,12 @@ def compile_routed(path: str, gm, example_inputs, opts: KwkerOptions):
         except Exception as e:  # noqa: BLE001 - eager, as the first size's tuning leaves a failed Inductor out
             if not_the_candidates(e):
                 raise
-            why = f"dynamic shapes: Inductor's compile failed ({type(e).__name__}: {e}); run eagerly"
+            why = f"{detail.get('why') or 'dynamic shapes'}; Inductor's compile failed ({type(e).__name__}: {e}): " \
+                  "run eagerly"
             log.warning("kwker: %s", why)
             return "eager", gm, {"why": why}
-        detail["why"] = "dynamic shapes: Inductor's graph for every size (kwker's plans need static shapes), " \
-                        "checked against eager at its first call"
+        checked = "Inductor's graph for every size, checked against eager at its first call"
+        detail["why"] = f"{detail.get('why') or 'dynamic shapes (kwker plans need static shapes)'}; {checked}"
         return "inductor", TunedAtALaterCall(gm, opts, [], path == "training-dynamic", inductor), detail
     if path in ("training", "training-dynamic") and opts.inner == "eager":  # kwker's ops have no backward
         return "eager", gm, {"why": "a training graph run eagerly (inner='eager'), not rewritten"}
@@ -194,11 +195,12 @@ class TunedAtALaterCall:
     raises; the candidate kept at the first call it does not serves every later
     call. Before, it ran eagerly until torch._dynamo.reset(): a first batch
     with a label past the classes kept a whole training run at eager's speed.
-    A graph with dynamic shapes (inductor: Inductor's compile of it) is tuned
-    at its first call, as it is: Inductor's graph or eager's, each serving
-    every size (_tuned_training, _tuned_dynamic). It went to Inductor
-    unchecked, and a training graph Inductor's gradients left out at its first
-    size got them from its second size on."""
+    A graph with dynamic shapes (inductor: Inductor's compile of it) is
+    checked at its first call (_tuned_training, _tuned_dynamic): Inductor's
+    graph serves every size unless it disagrees with eager's or fails, and
+    then eager's does (every_size_keeps). It went to Inductor unchecked, and a
+    training graph Inductor's gradients left out at its first size got them
+    from its second size on."""
 
     checked_args = frozenset()  # for kwker.guards: the guards noted at the compile are all kept
 
@@ -390,8 +392,8 @@ def _tuned_training(gm: torch.fx.GraphModule, example_inputs, opts: KwkerOptions
     """tune_training's; raises TruthFailed where eager's run raised.
     inductor: Inductor's compile of a graph with dynamic shapes, which serves
     every size, checked and timed on these inputs as it is (one compiled for
-    their sizes would serve no other), and the choice not remembered (kwker.choices
-    keys a graph by its static shapes). Stock Inductor's gradients of
+    their sizes would serve no other), kept as every_size_keeps says and not
+    remembered (kwker.choices keys a graph by its static shapes). Stock Inductor's gradients of
     avg_pool2d(ceil_mode=True), wrong (pytorch#198119), were left out of a
     training graph's first size and went unchecked into the graph Dynamo made
     dynamic at its second, which then served every size, the first too."""
@@ -432,7 +434,7 @@ def _tuned_training(gm: torch.fx.GraphModule, example_inputs, opts: KwkerOptions
                     written=written, tolerance=output_tolerance(gm, example_inputs, TRAINING_TOLERANCE))
     if key is not None:
         remember_unless_an_error(key, choice, None)
-    # Inductor kept is compiled again as stock Inductor compiles it, its backward lazily: the
+    # Inductor kept (of static shapes) is compiled again as stock Inductor compiles it, its backward lazily: the
     # timed one's, compiled before any backward said whether it keeps the graph, takes
     # the saved tensors' buffers for its own and refuses backward(retain_graph=True) and
     # create_graph=True (a second compile of the forward: the timed one is kept out of
